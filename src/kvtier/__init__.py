@@ -1,0 +1,13 @@
+"""kvtier: KV-cache tiering for LLM engines (host DRAM -> local disk -> shared pool)."""
+
+from kvtier.config import StoreConfig
+from kvtier.errors import KVTierError, TierUnavailableError
+from kvtier.keys import ChunkId, ChunkKey, Namespace
+from kvtier.layout import KVLayout
+from kvtier.store import LoadedChunk, LookupResult, PutResult, TieredStore
+
+__all__ = [
+    "ChunkId", "ChunkKey", "KVLayout", "KVTierError", "LoadedChunk", "LookupResult", "Namespace",
+    "PutResult", "StoreConfig", "TieredStore", "TierUnavailableError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,189 @@
+"""Store configuration: one frozen dataclass, validated once, from kwargs, YAML or env.
+
+Precedence (later wins): YAML file or dict < ``KVTIER_*`` environment variables < keyword
+overrides. Sizes accept ints (bytes) or strings such as ``"2GiB"``, ``"512MB"``, ``"1.5G"``.
+LMCache-style names are accepted as aliases (``chunk_size``, ``max_local_cpu_size`` and
+``max_local_disk_size`` in GB, ``local_disk``, ``remote_url``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.layout import KVLayout
+
+GiB = 1 << 30
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_bytes(value: object, setting: str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"1G"`` and ``"1GB"`` all mean 2**30 bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{setting}: expected a size such as 2147483648 or '2GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{setting}: expected a size such as 2147483648 or '2GiB', got {value!r}")
+    if n < 0:
+        raise ValueError(f"{setting}: must be >= 0 bytes, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Every setting of a TieredStore. Units are in the names; see docs for each."""
+
+    model_id: str
+    layout: KVLayout
+    chunk_tokens: int = 256
+    host_bytes: int = 1 * GiB
+    disk_path: str | None = None
+    disk_bytes: int = 10 * GiB
+    pool_url: str | None = None
+    pool_bytes: int | None = None
+    rank: int = 0
+    world_size: int = 1
+    tenant_salt: str = ""
+    io_threads: int = 8
+    write_threads: int = 1
+    write_queue_chunks: int = 256
+    read_timeout_s: float = 10.0
+    fsync: bool = False
+    direct_io: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ValueError("model_id: must be a non-empty string naming the model (e.g. its HF id)")
+        if not isinstance(self.layout, KVLayout):
+            raise ValueError("layout: must be a kvtier.KVLayout(num_layers, num_kv_heads, head_dim, dtype)")
+        _positive_int("chunk_tokens", self.chunk_tokens, "use a multiple of the engine's block size, e.g. 256")
+        _positive_int("io_threads", self.io_threads, "e.g. 8")
+        _positive_int("write_threads", self.write_threads, "e.g. 1")
+        _positive_int("write_queue_chunks", self.write_queue_chunks, "e.g. 256")
+        _positive_int("world_size", self.world_size, "the tensor/pipeline parallel size")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: must be in [0, world_size={self.world_size}), got {self.rank!r}")
+        for name in ("host_bytes", "disk_bytes"):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
+        if self.pool_bytes is not None:
+            object.__setattr__(self, "pool_bytes", parse_bytes(self.pool_bytes, "pool_bytes"))
+        if self.disk_path is not None and self.disk_bytes == 0:
+            raise ValueError("disk_bytes: is 0 while disk_path is set; give a budget such as '50GiB' "
+                             "or leave disk_path unset to turn the disk tier off")
+        if not isinstance(self.read_timeout_s, (int, float)) or self.read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s: must be > 0 seconds, got {self.read_timeout_s!r}")
+        if self.pool_url is not None:
+            from kvtier.tiers.pool import parse_pool_url
+
+            parse_pool_url(self.pool_url)
+        if self.disk_path is not None and not str(self.disk_path):
+            raise ValueError("disk_path: empty; give a directory or leave it unset")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_tokens * self.layout.bytes_per_token
+
+
+def _positive_int(name: str, value: object, hint: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer ({hint}), got {value!r}")
+
+
+_ALIASES = {
+    "chunk_size": "chunk_tokens",
+    "local_disk": "disk_path",
+    "remote_url": "pool_url",
+    "model": "model_id",
+    "model_name": "model_id",
+}
+# LMCache gives these in GB (floats).
+_GB_ALIASES = {"max_local_cpu_size": "host_bytes", "max_local_disk_size": "disk_bytes"}
+_LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+_INT_KEYS = {"chunk_tokens", "rank", "world_size", "io_threads", "write_threads", "write_queue_chunks",
+             "num_layers", "num_kv_heads", "head_dim"}
+_BOOL_KEYS = {"fsync", "direct_io"}
+_FLOAT_KEYS = {"read_timeout_s"}
+
+
+def _coerce_env(name: str, raw: str) -> object:
+    if name in _INT_KEYS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"KVTIER_{name.upper()}: expected an integer, got {raw!r}") from None
+    if name in _FLOAT_KEYS:
+        return float(raw)
+    if name in _BOOL_KEYS:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"KVTIER_{name.upper()}: expected true/false, got {raw!r}")
+    if raw.lower() in ("", "none", "null") and name in ("disk_path", "pool_url", "pool_bytes"):
+        return None
+    return raw
+
+
+def load_settings(source: str | os.PathLike[str] | Mapping[str, Any] | None,
+                  environ: Mapping[str, str] | None = None, **overrides: Any) -> StoreConfig:
+    """Merge a YAML file or dict, ``KVTIER_*`` variables and keyword overrides; validate."""
+    if source is None:
+        raw: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        raw = dict(source)
+    else:
+        text = Path(source).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{source}: expected a mapping of settings at the top level")
+        raw = loaded
+    if isinstance(raw.get("kvtier"), dict):  # allow nesting under a `kvtier:` section
+        raw = dict(raw["kvtier"])
+    known = {f.name for f in fields(StoreConfig)} | set(_LAYOUT_KEYS)
+    env = os.environ if environ is None else environ
+    for var, value in env.items():
+        if var.startswith("KVTIER_"):
+            name = var[len("KVTIER_"):].lower()
+            name = _ALIASES.get(name, name)
+            if name in known or name in _GB_ALIASES:
+                raw[name] = _coerce_env(name, value)
+    raw.update(overrides)
+    return _build(raw)
+
+
+def _build(raw: dict[str, Any]) -> StoreConfig:
+    settings: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _GB_ALIASES:
+            settings[_GB_ALIASES[key]] = int(float(value) * GiB)
+        else:
+            settings[_ALIASES.get(key, key)] = value
+    if isinstance(settings.get("disk_path"), str) and settings["disk_path"].startswith("file://"):
+        settings["disk_path"] = settings["disk_path"][len("file://"):]
+    layout = settings.pop("layout", None)
+    flat = {k: settings.pop(k) for k in _LAYOUT_KEYS if k in settings}
+    if isinstance(layout, Mapping):
+        layout = KVLayout(**{**dict(layout), **flat})
+    elif layout is None:
+        missing = [k for k in _LAYOUT_KEYS[:3] if k not in flat]
+        if missing:
+            raise ValueError(f"layout: missing {', '.join(missing)}; give `layout: {{num_layers: .., "
+                             "num_kv_heads: .., head_dim: .., dtype: bfloat16}}`")
+        layout = KVLayout(**flat)
+    known = {f.name for f in fields(StoreConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return StoreConfig(layout=layout, **settings)

@@ -1,0 +1,154 @@
+"""The chunk file format: a fixed 4096-byte binary header, then the payload, 4096-aligned.
+
+Everything read back is untrusted: the header has a fixed layout parsed with ``struct``
+(no pickle), every length is bounds-checked against the expectation of the reader, and both
+header and payload carry an xxh3-64 checksum. The payload starts at byte 4096 and the file is
+padded to a multiple of 4096, so a whole file can be read with O_DIRECT into an aligned buffer.
+
+Header (little-endian)::
+
+    magic 8s | version H | flags H | header_bytes I | namespace 32s | key 32s | parent 32s
+    | tokens_digest 32s | extra_digest 32s | num_tokens I | dtype_code H | ndim H | shape 5I
+    | payload_bytes Q | payload_xxh3 Q | header_xxh3 Q (of every byte before it)
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.keys import DIGEST_BYTES, FORMAT_VERSION, ChunkId, ChunkKey
+
+MAGIC = b"KVTIER\r\n"
+ALIGN = 4096
+HEADER_BYTES = ALIGN
+PAYLOAD_OFFSET = HEADER_BYTES
+FLAG_EXTRA = 1
+
+_FIELDS = struct.Struct("<8sHHI32s32s32s32s32sIHH5IQQ")
+_CHECK = struct.Struct("<Q")
+HEADER_STRUCT_BYTES = _FIELDS.size + _CHECK.size
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def file_bytes_for(payload_bytes: int) -> int:
+    """Size of a chunk file holding ``payload_bytes`` of payload."""
+    return PAYLOAD_OFFSET + align_up(payload_bytes)
+
+
+class ChunkFault(enum.Enum):
+    """Why a chunk was rejected; every value is counted as a corrupt chunk."""
+
+    TRUNCATED = "truncated"
+    BAD_MAGIC = "bad_magic"
+    VERSION = "version"
+    HEADER_CHECKSUM = "header_checksum"
+    NAMESPACE = "namespace"
+    IDENTITY = "identity"
+    LAYOUT = "layout"
+    PAYLOAD_CHECKSUM = "payload_checksum"
+
+
+class ChunkError(ValueError):
+    """A chunk's bytes are not the chunk the reader asked for; treat as a miss."""
+
+    def __init__(self, fault: ChunkFault, detail: str = "") -> None:
+        super().__init__(f"{fault.value}: {detail}" if detail else fault.value)
+        self.fault = fault
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    version: int
+    namespace: bytes
+    chunk: ChunkId
+    num_tokens: int
+    dtype_code: int
+    shape: tuple[int, ...]
+    payload_bytes: int
+    payload_xxh3: int
+
+    def pack(self) -> bytes:
+        """The full 4096-byte header region."""
+        dims = tuple(self.shape) + (0,) * (5 - len(self.shape))
+        flags = FLAG_EXTRA if self.chunk.extra_digest else 0
+        body = _FIELDS.pack(
+            MAGIC, self.version, flags, HEADER_BYTES, self.namespace, self.chunk.key,
+            self.chunk.parent, self.chunk.tokens_digest,
+            self.chunk.extra_digest or bytes(DIGEST_BYTES), self.num_tokens, self.dtype_code,
+            len(self.shape), *dims, self.payload_bytes, self.payload_xxh3,
+        )
+        body += _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+        return body + bytes(HEADER_BYTES - len(body))
+
+
+def unpack_header(buf: bytes | memoryview) -> ChunkHeader:
+    """Parse and self-check a header; raises ChunkError, never anything else on bad bytes."""
+    if len(buf) < HEADER_STRUCT_BYTES:
+        raise ChunkError(ChunkFault.TRUNCATED, f"header needs {HEADER_STRUCT_BYTES} bytes, got {len(buf)}")
+    body = bytes(buf[: _FIELDS.size])
+    (magic, version, flags, header_bytes, namespace, key, parent, tokens_digest, extra_digest,
+     num_tokens, dtype_code, ndim, *rest) = _FIELDS.unpack(body)
+    dims, payload_bytes, payload_xxh3 = rest[:5], rest[5], rest[6]
+    if magic != MAGIC:
+        raise ChunkError(ChunkFault.BAD_MAGIC)
+    (stored_check,) = _CHECK.unpack(bytes(buf[_FIELDS.size:HEADER_STRUCT_BYTES]))
+    if stored_check != xxhash.xxh3_64_intdigest(body):
+        raise ChunkError(ChunkFault.HEADER_CHECKSUM)
+    if version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+        raise ChunkError(ChunkFault.VERSION, f"format {version} (header {header_bytes} B)")
+    if not 1 <= ndim <= 5:
+        raise ChunkError(ChunkFault.LAYOUT, f"ndim {ndim}")
+    chunk = ChunkId(ChunkKey(key), parent, tokens_digest, extra_digest if flags & FLAG_EXTRA else b"")
+    return ChunkHeader(version, namespace, chunk, num_tokens, dtype_code, tuple(dims[:ndim]),
+                       payload_bytes, payload_xxh3)
+
+
+def payload_checksum(payload: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What a reader expects of a chunk: its namespace, identity and exact layout."""
+
+    namespace: bytes
+    dtype_code: int
+    shape: tuple[int, ...]
+    payload_bytes: int
+
+    @property
+    def file_bytes(self) -> int:
+        return file_bytes_for(self.payload_bytes)
+
+    def header_for(self, chunk: ChunkId, payload: bytes | memoryview) -> ChunkHeader:
+        return ChunkHeader(FORMAT_VERSION, self.namespace, chunk, self.shape[2] if len(self.shape) == 5 else 0,
+                           self.dtype_code, self.shape, self.payload_bytes, payload_checksum(payload))
+
+    def check(self, header: ChunkHeader, chunk: ChunkId) -> None:
+        """Raise ChunkError unless ``header`` describes exactly ``chunk`` in this spec."""
+        if header.namespace != self.namespace:
+            raise ChunkError(ChunkFault.NAMESPACE)
+        if header.chunk != chunk:
+            raise ChunkError(ChunkFault.IDENTITY, "key, parent or token digest differ")
+        if (header.dtype_code, header.shape, header.payload_bytes) != (
+                self.dtype_code, self.shape, self.payload_bytes):
+            raise ChunkError(ChunkFault.LAYOUT, f"dtype {header.dtype_code} shape {header.shape}")
+
+    def decode(self, buf: memoryview, chunk: ChunkId) -> memoryview:
+        """Validate a whole chunk file image in ``buf``; return a view of its payload."""
+        header = unpack_header(buf)
+        self.check(header, chunk)
+        end = PAYLOAD_OFFSET + self.payload_bytes
+        if len(buf) < end:
+            raise ChunkError(ChunkFault.TRUNCATED, f"{len(buf)} of {end} bytes")
+        payload = buf[PAYLOAD_OFFSET:end]
+        if payload_checksum(payload) != header.payload_xxh3:
+            raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
+        return payload

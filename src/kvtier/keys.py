@@ -1,0 +1,133 @@
+"""Chunk keys: the one place that turns token ids into storage keys.
+
+A key is deterministic across processes and machines: it is a BLAKE3 digest of bytes only
+(no Python ``hash``, no ``PYTHONHASHSEED``), with token ids encoded as little-endian uint32.
+
+    tokens_digest(i) = BLAKE3(token ids of chunk i)
+    key(i)           = BLAKE3(key(i-1) || tokens_digest(i) || extra_digest)
+    key(-1)          = namespace digest
+
+The namespace digest covers everything that changes the stored bytes (model, dtype, layout,
+chunk size, parallel rank/size, format version, tenant salt), so KV of one model or tenant can
+never be addressed by another. Hashing the token digest rather than the tokens lets
+``kvtier pool verify`` recheck a key from a chunk header alone (parent key + token digest).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+import torch
+from blake3 import blake3
+
+from kvtier.layout import KVLayout
+
+FORMAT_VERSION = 1
+DIGEST_BYTES = 32
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""32-byte chained digest naming one chunk of KV."""
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a chunk; its digest seeds every key chain."""
+
+    model_id: str
+    layout: KVLayout
+    chunk_tokens: int
+    rank: int = 0
+    world_size: int = 1
+    tenant_salt: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def describe(self) -> dict[str, object]:
+        """Canonical, human-readable fields (written beside pool data for `pool stats`)."""
+        return {
+            "format_version": self.format_version,
+            "model_id": self.model_id,
+            "layout": self.layout.to_dict(),
+            "chunk_tokens": self.chunk_tokens,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            # The salt itself is a secret of the tenant: only its digest is described.
+            "tenant": blake3(self.tenant_salt.encode()).hexdigest()[:16] if self.tenant_salt else "",
+        }
+
+    @property
+    def digest(self) -> bytes:
+        fields = dict(self.describe(), tenant_salt=self.tenant_salt)
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return blake3(b"kvtier-namespace\0" + canonical).digest()
+
+    def with_salt(self, tenant_salt: str) -> Namespace:
+        return Namespace(self.model_id, self.layout, self.chunk_tokens, self.rank,
+                         self.world_size, tenant_salt, self.format_version)
+
+
+@dataclass(frozen=True)
+class ChunkId:
+    """Identity of one chunk: its key, its parent key and the digest of its token ids.
+
+    Stored in every chunk header; a read is accepted only if all three match what the reader
+    computed from its own tokens (guards against hash collisions and misplaced files).
+    """
+
+    key: ChunkKey
+    parent: bytes
+    tokens_digest: bytes
+    extra_digest: bytes = b""
+
+
+def as_token_array(tokens: TokenIds) -> np.ndarray:
+    """Token ids as a little-endian uint32 numpy array (no copy when already one)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype != np.uint32:
+            if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+                raise ValueError("token ids must be in [0, 2**32)")
+            tokens = tokens.astype("<u4")
+        return tokens
+    try:
+        # array.array converts a list of ints about 3x faster than np.asarray.
+        return np.frombuffer(array.array("I", tokens), dtype=np.uint32)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+
+
+def chunk_ids(namespace: Namespace, tokens: TokenIds, extra: bytes = b"",
+              max_chunks: int | None = None) -> list[ChunkId]:
+    """Identities of the full chunks of ``tokens`` (a trailing partial chunk has none).
+
+    ``extra`` is mixed into every key (e.g. multimodal content hashes, LoRA id).
+    """
+    ids = as_token_array(tokens)
+    n = len(ids) // namespace.chunk_tokens
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    raw = memoryview(ids[: n * namespace.chunk_tokens].tobytes()) if n else memoryview(b"")
+    step = namespace.chunk_tokens * 4
+    extra_digest = blake3(extra).digest() if extra else b""
+    parent = namespace.digest
+    out: list[ChunkId] = []
+    for i in range(n):
+        tokens_digest = blake3(raw[i * step:(i + 1) * step]).digest()
+        key = ChunkKey(blake3(parent + tokens_digest + extra_digest).digest())
+        out.append(ChunkId(key, parent, tokens_digest, extra_digest))
+        parent = key
+    return out
+
+
+def recompute_key(parent: bytes, tokens_digest: bytes, extra_digest: bytes = b"") -> ChunkKey:
+    """The key a chunk header's parent and token digest imply (used by `pool verify`)."""
+    return ChunkKey(blake3(parent + tokens_digest + extra_digest).digest())

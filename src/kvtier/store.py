@@ -1,0 +1,345 @@
+"""TieredStore: the public face of kvtier's storage (host DRAM -> local disk -> shared pool).
+
+Contracts:
+
+* ``put`` copies each new full chunk once into host DRAM and queues its write-down to disk
+  and pool; it never waits for I/O (a full queue drops the write and counts it).
+* ``lookup`` returns the longest contiguous prefix of full chunks held in any tier; it does
+  file-system metadata calls for the pool, never data reads.
+* ``iter_chunks`` reads a prefix with up to ``io_threads`` reads in flight and yields chunk i
+  while later chunks are still being read. A chunk that turns out missing, corrupt, unreadable
+  or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
+  are never returned. Chunks read from a lower tier are promoted to host DRAM.
+* ``get`` is ``iter_chunks`` assembled into one tensor, or ``KeyError`` if any chunk is gone.
+
+All methods are thread-safe. ``close`` flushes pending writes; use the store as a context
+manager or call ``close`` before exit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from prometheus_client.registry import CollectorRegistry
+
+from kvtier.config import StoreConfig, load_settings
+from kvtier.format import ChunkSpec
+from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
+from kvtier.layout import DTYPE_CODES, KVLayout
+from kvtier.metrics import TierMetrics, new_registry
+from kvtier.tiers.base import Chunk, LoadResult, Status, Tier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.pool import PoolTier, parse_pool_url
+from kvtier.writer import BackgroundWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Longest cached prefix: ``num_tokens`` is a multiple of ``chunk_tokens``."""
+
+    num_tokens: int
+    chunk_tiers: tuple[str, ...]
+    chunk_tokens: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_tiers)
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.chunk_tiers:
+            out[name] = out.get(name, 0) + self.chunk_tokens
+        return out
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored_chunks: int
+    """New chunks taken into the store (host DRAM and/or queued for disk and pool)."""
+    present_chunks: int
+    """Chunks host DRAM already held (not copied again)."""
+    dropped_writes: int
+    """Chunks whose write-down was dropped because the background queue was full."""
+
+
+@dataclass(frozen=True)
+class LoadedChunk:
+    index: int
+    tier: str
+    data: torch.Tensor
+    """``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``; shared, do not modify."""
+
+
+class TieredStore:
+    """KV chunks across host DRAM, local disk and a shared pool. See module docstring."""
+
+    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
+        """Open the tiers ``config`` names, or use ``tiers`` (ordered fastest first) instead.
+
+        Raises TierUnavailableError when a directory cannot be used, ValueError on bad config.
+        """
+        self.config = config
+        self.layout: KVLayout = config.layout
+        self.chunk_tokens = config.chunk_tokens
+        self.namespace = Namespace(config.model_id, config.layout, config.chunk_tokens,
+                                   config.rank, config.world_size, config.tenant_salt)
+        self.tiers: list[Tier] = list(tiers) if tiers is not None else self._open_tiers(config)
+        self.host: HostTier | None = next((t for t in self.tiers if isinstance(t, HostTier)), None)
+        self.store_metrics = TierMetrics("store")
+        self._specs: dict[bytes, ChunkSpec] = {}
+        self._spec_lock = threading.Lock()
+        self._writer = BackgroundWriter(self._spec(self.namespace), config.write_queue_chunks,
+                                        config.write_threads)
+        self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
+        self._closed = False
+        self.registry: CollectorRegistry = new_registry(
+            {"store": self.store_metrics, **{t.name: t.metrics for t in self.tiers}})
+
+    @staticmethod
+    def _open_tiers(config: StoreConfig) -> list[Tier]:
+        tiers: list[Tier] = []
+        if config.host_bytes > 0:
+            tiers.append(HostTier(config.host_bytes))
+        if config.disk_path is not None:
+            tiers.append(DiskTier(config.disk_path, config.disk_bytes, fsync=config.fsync,
+                                  direct_io=config.direct_io))
+        if config.pool_url is not None:
+            tiers.append(PoolTier(parse_pool_url(config.pool_url), config.pool_bytes,
+                                  fsync=config.fsync, direct_io=config.direct_io))
+        return tiers
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, model_id: str, layout: KVLayout, chunk_tokens: int = 256, *,
+             host_bytes: int | str = 1 << 30, disk_path: str | os.PathLike[str] | None = None,
+             disk_bytes: int | str = 10 << 30, pool_url: str | None = None,
+             pool_bytes: int | str | None = None, **options: Any) -> TieredStore:
+        """Open a store; ``options`` are the other StoreConfig fields (io_threads, fsync, ...)."""
+        config = StoreConfig(model_id=model_id, layout=layout, chunk_tokens=chunk_tokens,
+                             host_bytes=host_bytes, disk_path=None if disk_path is None else os.fspath(disk_path),
+                             disk_bytes=disk_bytes, pool_url=pool_url, pool_bytes=pool_bytes,
+                             **options)  # type: ignore[arg-type]
+        return cls(config)
+
+    @classmethod
+    def from_config(cls, source: str | os.PathLike[str] | Mapping[str, Any] | None,
+                    **overrides: Any) -> TieredStore:
+        """Open from a YAML file or dict; ``KVTIER_*`` env vars and ``overrides`` win over it."""
+        return cls(load_settings(source, **overrides))
+
+    def _spec(self, namespace: Namespace) -> ChunkSpec:
+        digest = namespace.digest
+        with self._spec_lock:
+            spec = self._specs.get(digest)
+            if spec is None:
+                shape = self.layout.shape(self.chunk_tokens)
+                spec = ChunkSpec(digest, DTYPE_CODES[self.layout.dtype], shape,
+                                 self.chunk_tokens * self.layout.bytes_per_token)
+                self._specs[digest] = spec
+            return spec
+
+    def _namespace(self, tenant_salt: str | None) -> Namespace:
+        return self.namespace if tenant_salt is None else self.namespace.with_salt(tenant_salt)
+
+    def chunk_ids(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None,
+                  max_chunks: int | None = None) -> list[ChunkId]:
+        """Identities of the full chunks of ``tokens`` in this store's namespace."""
+        return chunk_ids(self._namespace(tenant_salt), tokens, extra, max_chunks)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None) -> LookupResult:
+        """Longest prefix of ``tokens`` (whole chunks) held in any tier, and where each is."""
+        ids = self.chunk_ids(tokens, extra=extra, tenant_salt=tenant_salt)
+        located = self._locate(ids, count_metrics=True)
+        self.store_metrics.add(lookups=1, lookup_tokens=len(ids) * self.chunk_tokens,
+                               hit_chunks=len(located), hit_tokens=len(located) * self.chunk_tokens)
+        return LookupResult(len(located) * self.chunk_tokens, tuple(t.name for t in located),
+                            self.chunk_tokens)
+
+    def _locate(self, ids: Sequence[ChunkId], count_metrics: bool = False) -> list[Tier]:
+        """The tier to read each chunk of the cached prefix from (the fastest that holds it).
+
+        Only public lookups count in the metrics, so a lookup-then-get counts once.
+        """
+        located: list[Tier] = []
+        pos = 0
+        while pos < len(ids):
+            for rank, tier in enumerate(self.tiers):
+                count = tier.lookup(ids[pos:])
+                if count_metrics:
+                    tier.metrics.add(lookups=1, lookup_tokens=(len(ids) - pos) * self.chunk_tokens)
+                if count:
+                    faster = self.tiers[:rank]
+                    for cid in ids[pos:pos + count]:
+                        # A run found low down may still have chunks in a faster tier.
+                        located.append(next((t for t in faster if t.lookup([cid])), tier))
+                    pos += count
+                    break
+            else:
+                break
+        for tier in self.tiers if count_metrics else ():
+            hits = sum(1 for t in located if t is tier)
+            if hits:
+                tier.metrics.add(hit_chunks=hits, hit_tokens=hits * self.chunk_tokens)
+        return located
+
+    # -- read -------------------------------------------------------------------------------
+
+    def get(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None) -> torch.Tensor:
+        """KV of ``tokens`` (a whole number of chunks) as ``[layers, 2, len, heads, head_dim]``.
+
+        Raises KeyError if any chunk is no longer cached (or failed validation), ValueError if
+        ``len(tokens)`` is not a multiple of ``chunk_tokens``.
+        """
+        n_tokens = len(as_token_array(tokens))
+        if n_tokens % self.chunk_tokens:
+            raise ValueError(f"get() takes whole chunks: {n_tokens} tokens is not a multiple of "
+                             f"chunk_tokens={self.chunk_tokens}; pass tokens[:lookup(tokens).num_tokens]")
+        ids = self.chunk_ids(tokens, extra=extra, tenant_salt=tenant_salt)
+        out = torch.empty(self.layout.shape(n_tokens), dtype=self.layout.dtype)
+        c = self.chunk_tokens
+        got = 0
+        for loaded in self.iter_chunks(ids, tenant_salt=tenant_salt):
+            out[:, :, loaded.index * c:(loaded.index + 1) * c].copy_(loaded.data)
+            got += 1
+        if got < len(ids):
+            raise KeyError(f"only {got} of {len(ids)} chunks are cached; call lookup() again and "
+                           "recompute the rest")
+        return out
+
+    def iter_chunks(self, ids: Sequence[ChunkId], *, tenant_salt: str | None = None) -> Iterator[LoadedChunk]:
+        """Yield the cached prefix of ``ids`` in order, reading ahead in parallel.
+
+        Stops at the first chunk that cannot be served. Closing the iterator early cancels
+        reads not yet started.
+        """
+        self._check_open()
+        spec = self._spec(self._namespace(tenant_salt))
+        located = self._locate(ids)
+        window = 2 * self.config.io_threads
+        pending: dict[int, cf.Future[tuple[Tier | None, LoadResult]]] = {}
+        submitted = 0
+        try:
+            for i, tier in enumerate(located):
+                while submitted < len(located) and submitted < i + window:
+                    if located[submitted] is not self.host:
+                        pending[submitted] = self._io.submit(self._load, ids[submitted], located[submitted], spec)
+                    submitted += 1
+                if i in pending:
+                    try:
+                        src, result = pending.pop(i).result(timeout=self.config.read_timeout_s)
+                    except cf.TimeoutError:
+                        tier.metrics.add(timeouts=1)
+                        log.warning("read of chunk %d from %s exceeded read_timeout_s=%s; recomputing",
+                                    i, tier.name, self.config.read_timeout_s)
+                        return
+                else:
+                    src, result = self._load(ids[i], tier, spec)
+                if result.chunk is None or src is None:
+                    return
+                yield LoadedChunk(i, src.name, result.chunk.data)
+        finally:
+            for fut in pending.values():
+                fut.cancel()
+
+    def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec) -> tuple[Tier | None, LoadResult]:
+        """Load from ``first``, falling back to the tiers below it; promote to host on a hit."""
+        start = self.tiers.index(first)
+        result = LoadResult(Status.MISS)
+        for tier in self.tiers[start:]:
+            result = tier.load(cid, spec)
+            if result.ok and result.chunk is not None:
+                if tier is not self.host and self.host is not None:
+                    self.host.store(result.chunk, spec)
+                return tier, result
+            if result.status is not Status.MISS:
+                log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name,
+                         result.status.value, result.error)
+        return None, result
+
+    # -- write ------------------------------------------------------------------------------
+
+    def put(self, tokens: TokenIds, kv: torch.Tensor, *, extra: bytes = b"",
+            tenant_salt: str | None = None) -> PutResult:
+        """Store the KV of every full chunk of ``tokens``; a trailing partial chunk is ignored.
+
+        ``kv`` is ``[num_layers, 2, >= full-chunk tokens, num_kv_heads, head_dim]`` in the
+        layout's dtype, on any device. The store copies what it keeps; the caller keeps ``kv``.
+        """
+        self._check_open()
+        namespace = self._namespace(tenant_salt)
+        ids = chunk_ids(namespace, tokens, extra)
+        self._check_kv(kv, len(ids) * self.chunk_tokens)
+        lower = [t for t in self.tiers if t is not self.host]
+        stored = present = dropped = 0
+        c = self.chunk_tokens
+        for i, cid in enumerate(ids):
+            if self.host is not None and self.host.lookup([cid]):
+                present += 1
+                continue
+            data = torch.empty(self.layout.shape(c), dtype=self.layout.dtype)
+            data.copy_(kv[:, :, i * c:(i + 1) * c])
+            chunk = Chunk(cid, data)
+            if self.host is not None:
+                self.host.store(chunk, self._spec(namespace))
+            if not self._writer.submit(chunk, lower):
+                dropped += 1
+            stored += 1
+        return PutResult(stored, present, dropped)
+
+    def _check_kv(self, kv: torch.Tensor, min_tokens: int) -> None:
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        want = self.layout.shape(min_tokens)
+        if kv.dim() != 5 or kv.shape[:2] != want[:2] or kv.shape[3:] != want[3:] or kv.shape[2] < min_tokens:
+            raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout: expected "
+                             f"[num_layers, 2, >= {min_tokens}, num_kv_heads, head_dim] = {list(want)}")
+        if kv.dtype != self.layout.dtype:
+            raise ValueError(f"kv dtype {kv.dtype} differs from the layout's {self.layout.dtype}")
+
+    # -- lifecycle and metrics ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Block until every queued background write has been attempted."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush pending writes, stop threads, release tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.flush()
+        self._writer.close()
+        self._io.shutdown(wait=True, cancel_futures=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TieredStore is closed")
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """JSON-ready counters: ``{"store": {...}, "tiers": {name: {...}}, "write_queue": n}``."""
+        return {
+            "store": asdict(self.store_metrics.snapshot()),
+            "tiers": {t.name: asdict(t.metrics.snapshot()) for t in self.tiers},
+            "write_queue": self._writer.queued,
+        }

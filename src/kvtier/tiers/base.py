@@ -1,0 +1,105 @@
+"""The protocol every tier speaks, and the named results it returns.
+
+A tier holds whole chunks in kvtier's canonical layout. Misses, corrupt data, I/O errors and
+timeouts are *results*, never exceptions: the store turns any of them into "this chunk and
+everything after it is not cached", which costs at most a recompute.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvtier.format import ALIGN, ChunkSpec
+from kvtier.keys import ChunkId
+from kvtier.metrics import TierMetrics
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of KV in host memory.
+
+    ``data`` is a contiguous CPU tensor ``[num_layers, 2, chunk_tokens, num_kv_heads,
+    head_dim]``. Tiers never write into it once published: several readers may share it.
+    """
+
+    id: ChunkId
+    data: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def payload(self) -> memoryview:
+        """The raw bytes of ``data`` (no copy)."""
+        return memoryview(self.data.reshape(-1).view(torch.uint8).numpy())
+
+
+class Status(enum.Enum):
+    HIT = "hit"
+    MISS = "miss"
+    CORRUPT = "corrupt"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    WRITTEN = "written"
+    EXISTS = "exists"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    status: Status
+    chunk: Chunk | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.HIT
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    status: Status
+    error: str = ""
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """lookup / load / store / evict over whole chunks, all thread-safe."""
+
+    name: str
+    metrics: TierMetrics
+
+    def lookup(self, ids: Sequence[ChunkId]) -> int:
+        """How many of ``ids``, from the first on, this tier holds (stops at its first miss).
+
+        Cheap and side-effect free apart from counters; a later ``load`` may still miss.
+        """
+        ...
+
+    def load(self, chunk: ChunkId, spec: ChunkSpec) -> LoadResult:
+        """Read one chunk, fully validated against ``chunk`` and ``spec``."""
+        ...
+
+    def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
+        """Publish one chunk; EXISTS if already held. Never raises for I/O faults."""
+        ...
+
+    def evict(self, target_bytes: int) -> int:
+        """Evict least recently used chunks until at most ``target_bytes`` remain; count them."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 array of ``nbytes`` whose address is ALIGN-aligned (for O_DIRECT reads)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % ALIGN
+    return raw[offset:offset + nbytes]

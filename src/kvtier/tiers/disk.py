@@ -1,0 +1,147 @@
+"""Local disk tier: one file per chunk, LRU within a byte budget, survives restarts.
+
+One process owns a disk directory at a time (an exclusive ``flock`` on ``ROOT/.lock``): the
+LRU index lives in this process's memory. At open, the directory is scanned and the index is
+rebuilt in mtime order (a hit refreshes a chunk's mtime), so a restarted process serves what
+an earlier one wrote and evicts down to its budget at once. Directories shared by several
+processes or machines are what the pool tier is for.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.errors import TierUnavailableError
+from kvtier.format import ChunkError, ChunkSpec
+from kvtier.keys import ChunkId, ChunkKey
+from kvtier.metrics import TierMetrics
+from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
+from kvtier.tiers.files import ChunkFiles
+
+TOUCH_INTERVAL_S = 60.0
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False,
+                 direct_io: bool = True) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.metrics = TierMetrics(self.name)
+        self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io)
+        self._lock_fd = os.open(self.files.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise TierUnavailableError(
+                f"disk tier {self.files.root} is in use by another process; give each engine "
+                "instance its own disk_path (share data between instances with pool_url)"
+            ) from None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._bytes = 0
+        self._recover()
+
+    def _recover(self) -> None:
+        found = sorted(self.files.scan(), key=lambda f: f.mtime)
+        for f in found:
+            self._index[f.key] = f.size
+            self._bytes += f.size
+        self.evict(self.capacity_bytes)
+        self._publish_gauges()
+
+    def _publish_gauges(self) -> None:
+        self.metrics.set(chunks=len(self._index), bytes=self._bytes)
+
+    def lookup(self, ids: Sequence[ChunkId]) -> int:
+        with self._lock:
+            n = 0
+            for cid in ids:
+                if cid.key not in self._index:
+                    break
+                n += 1
+            return n
+
+    def load(self, chunk: ChunkId, spec: ChunkSpec) -> LoadResult:
+        with self._lock:
+            if chunk.key not in self._index:
+                return LoadResult(Status.MISS)
+        t0 = time.perf_counter()
+        try:
+            got = self.files.read(chunk, spec)
+        except FileNotFoundError:
+            # Deleted behind our back (an operator, a full-disk cleanup): forget it.
+            self._forget(chunk.key)
+            self.metrics.add(read_races=1)
+            return LoadResult(Status.MISS)
+        except ChunkError as exc:
+            self._forget(chunk.key)
+            self.files.remove(chunk.key)
+            self.metrics.add(corrupt_chunks=1)
+            return LoadResult(Status.CORRUPT, error=str(exc))
+        except OSError as exc:
+            self.metrics.add(failed_reads=1)
+            return LoadResult(Status.ERROR, error=str(exc))
+        self.metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
+        with self._lock:
+            if chunk.key in self._index:
+                self._index.move_to_end(chunk.key)
+        self.files.touch(chunk.key, TOUCH_INTERVAL_S)
+        return LoadResult(Status.HIT, got)
+
+    def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
+        with self._lock:
+            if chunk.id.key in self._index:
+                self._index.move_to_end(chunk.id.key)
+                return StoreResult(Status.EXISTS)
+        if spec.file_bytes > self.capacity_bytes:
+            return StoreResult(Status.FAILED, "chunk larger than disk_bytes")
+        try:
+            written = self.files.publish(chunk, spec)
+        except OSError as exc:
+            self.metrics.add(failed_writes=1)
+            return StoreResult(Status.FAILED, str(exc))
+        with self._lock:
+            if chunk.id.key not in self._index:
+                self._index[chunk.id.key] = spec.file_bytes
+                self._bytes += spec.file_bytes
+        self.metrics.add(bytes_written=written, written_chunks=1 if written else 0)
+        self.evict(self.capacity_bytes)
+        return StoreResult(Status.WRITTEN if written else Status.EXISTS)
+
+    def evict(self, target_bytes: int) -> int:
+        n = 0
+        while True:
+            with self._lock:
+                if self._bytes <= target_bytes or not self._index:
+                    break
+                key, size = self._index.popitem(last=False)
+                self._bytes -= size
+            self.files.remove(key)
+            self.metrics.add(evictions=1, evicted_bytes=size)
+            n += 1
+        self._publish_gauges()
+        return n
+
+    def _forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+        self._publish_gauges()
+
+    def keys(self) -> list[ChunkKey]:
+        """Held keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

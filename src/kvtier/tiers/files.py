@@ -1,0 +1,282 @@
+"""A directory of chunk files: naming, crash-safe publish, validated O_DIRECT reads.
+
+Shared by the local disk tier and the shared pool. Layout::
+
+    ROOT/.kvtier            marker: this directory is a kvtier chunk directory
+    ROOT/ab/cd/<key>.kvt    one file per chunk, named by its key (hex)
+    ROOT/ab/cd/<key>.kvt.<pid>.<rand>.tmp   a write in progress (or left by a crash)
+
+Publishing writes a uniquely named temp file in the final directory, then ``os.replace``s it:
+readers see a whole chunk or nothing, and two writers of one chunk write the same bytes
+(names are content addresses), so the last rename wins harmlessly. A temp file left by a
+killed writer is never read (wrong suffix) and is removed by ``kvtier pool gc``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
+from kvtier.keys import ChunkId, ChunkKey
+from kvtier.layout import DTYPES_BY_CODE
+from kvtier.tiers.base import Chunk, aligned_buffer
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvt"
+TMP_SUFFIX = ".tmp"
+MARKER = ".kvtier"
+_ZEROS = bytes(PAYLOAD_OFFSET)
+
+
+@dataclass(frozen=True)
+class ChunkFile:
+    path: Path
+    key: ChunkKey
+    size: int
+    mtime: float
+
+
+class ChunkFiles:
+    """File operations of one chunk directory; safe to share between threads and processes."""
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = False,
+                 direct_io: bool = True, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
+        if create:
+            self._ensure_root()
+
+    def _ensure_root(self) -> None:
+        from kvtier.errors import TierUnavailableError
+
+        try:
+            self.root.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
+            marker = self.root / MARKER
+            if not marker.exists():
+                self.write_small(marker, json.dumps({"format": 1, "kind": "kvtier-chunks"}).encode())
+            probe = self.root / f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise TierUnavailableError(
+                f"cannot use {self.root} as a kvtier chunk directory: {exc.strerror or exc}; "
+                "create it and make it writable by this user, or point the setting elsewhere"
+            ) from exc
+
+    def write_small(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        tmp.write_bytes(data)
+        os.chmod(tmp, self.file_mode)
+        os.replace(tmp, path)
+
+    def path_for(self, key: ChunkKey) -> Path:
+        h = key.hex()
+        return self.root / h[:2] / h[2:4] / f"{h}{SUFFIX}"
+
+    def stat_size(self, key: ChunkKey) -> int | None:
+        """File size, or None when the chunk is absent (or the directory is gone)."""
+        try:
+            return os.stat(self.path_for(key)).st_size
+        except OSError:
+            return None
+
+    # -- write ------------------------------------------------------------------------------
+
+    def publish(self, chunk: Chunk, spec: ChunkSpec) -> int:
+        """Write ``chunk`` atomically; return bytes written, 0 if it was already there.
+
+        Raises OSError (ENOSPC, EACCES, ...) after removing its temp file.
+        """
+        final = self.path_for(chunk.id.key)
+        if final.exists():
+            return 0
+        payload = chunk.payload()
+        header = spec.header_for(chunk.id, payload).pack()
+        pad = spec.file_bytes - PAYLOAD_OFFSET - len(payload)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
+        except FileNotFoundError:
+            os.makedirs(final.parent, mode=self.dir_mode, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
+        try:
+            try:
+                _write_all(fd, [header, payload, _ZEROS[:pad]])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(final.parent)
+        return spec.file_bytes
+
+    # -- read -------------------------------------------------------------------------------
+
+    def read(self, cid: ChunkId, spec: ChunkSpec) -> Chunk:
+        """Read and validate one chunk into a fresh aligned buffer the caller then owns.
+
+        Raises FileNotFoundError when absent, ChunkError when the bytes are not this chunk,
+        OSError for I/O faults.
+        """
+        path = self.path_for(cid.key)
+        fd = self._open_for_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size != spec.file_bytes:
+                fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
+                raise ChunkError(fault, f"{path.name}: {size} B, expected {spec.file_bytes} B")
+            buf = aligned_buffer(size)
+            _read_all(fd, buf)
+        finally:
+            os.close(fd)
+        payload = spec.decode(memoryview(buf), cid)
+        del payload
+        dtype = DTYPES_BY_CODE[spec.dtype_code]
+        data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
+        return Chunk(cid, data.view(dtype).view(spec.shape))
+
+    def _open_for_read(self, path: Path) -> int:
+        if self.direct_io:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # tmpfs and some network filesystems refuse O_DIRECT: stop asking.
+                log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
+                self.direct_io = False
+        return os.open(path, os.O_RDONLY)
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    def remove(self, key: ChunkKey) -> int:
+        """Unlink a chunk; return the bytes freed (0 if it was already gone)."""
+        path = self.path_for(key)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+            return size
+        except FileNotFoundError:
+            return 0
+
+    def touch(self, key: ChunkKey, older_than_s: float) -> None:
+        """Mark a chunk recently used (mtime = now) unless it was marked in the last interval.
+
+        mtime, not atime: atime is often off (noatime/relatime) on shared filesystems.
+        """
+        path = self.path_for(key)
+        try:
+            if time.time() - os.stat(path).st_mtime > older_than_s:
+                os.utime(path)
+        except OSError:
+            pass
+
+    def scan(self) -> Iterator[ChunkFile]:
+        """Every published chunk file (never temp files), in directory order."""
+        for shard in _subdirs(self.root):
+            for sub in _subdirs(shard):
+                try:
+                    entries = list(os.scandir(sub))
+                except OSError:
+                    continue
+                for entry in entries:
+                    if not entry.name.endswith(SUFFIX):
+                        continue
+                    try:
+                        key = ChunkKey(bytes.fromhex(entry.name[: -len(SUFFIX)]))
+                        st = entry.stat()
+                    except (ValueError, OSError):
+                        continue
+                    yield ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime)
+
+    def temp_files(self) -> Iterator[tuple[Path, float]]:
+        """Temp files (writes in progress or left by crashed writers) and their mtimes."""
+        for shard in _subdirs(self.root):
+            for sub in _subdirs(shard):
+                try:
+                    entries = list(os.scandir(sub))
+                except OSError:
+                    continue
+                for entry in entries:
+                    if entry.name.endswith(TMP_SUFFIX):
+                        try:
+                            yield Path(entry.path), entry.stat().st_mtime
+                        except OSError:
+                            continue
+
+
+def _subdirs(path: Path) -> Iterator[Path]:
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
+            yield Path(entry.path)
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        n = os.writev(fd, views)
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def _read_all(fd: int, buf: np.ndarray) -> None:
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], done)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or done:
+                raise
+            # O_DIRECT accepted at open but refused at read (some FUSE/NFS setups):
+            # drop the flag for this descriptor and go on buffered.
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            continue
+        if n == 0:
+            raise ChunkError(ChunkFault.TRUNCATED, f"short read: {done} of {len(view)} B")
+        done += n
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
