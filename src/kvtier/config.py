@@ -124,7 +124,10 @@ def _coerce_env(name: str, raw: str) -> object:
         except ValueError:
             raise ValueError(f"KVTIER_{name.upper()}: expected an integer, got {raw!r}") from None
     if name in _FLOAT_KEYS:
-        return float(raw)
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"KVTIER_{name.upper()}: expected a number, got {raw!r}") from None
     if name in _BOOL_KEYS:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
@@ -153,23 +156,37 @@ def load_settings(source: str | os.PathLike[str] | Mapping[str, Any] | None,
         raw = dict(raw["kvtier"])
     known = {f.name for f in fields(StoreConfig)} | set(_LAYOUT_KEYS)
     env = os.environ if environ is None else environ
+    env_layer: dict[str, Any] = {}
     for var, value in env.items():
         if var.startswith("KVTIER_"):
             name = var[len("KVTIER_"):].lower()
             name = _ALIASES.get(name, name)
             if name in known or name in _GB_ALIASES:
-                raw[name] = _coerce_env(name, value)
-    raw.update(overrides)
-    return _build(raw)
+                env_layer[name] = _coerce_env(name, value)
+    # Each layer is put in canonical names before merging, so a later layer wins even when
+    # it spells a setting differently (``chunk_size`` vs ``chunk_tokens``).
+    settings = _canonical(raw)
+    settings.update(_canonical(env_layer))
+    settings.update(_canonical(overrides))
+    return _build(settings)
 
 
-def _build(raw: dict[str, Any]) -> StoreConfig:
-    settings: dict[str, Any] = {}
-    for key, value in raw.items():
+def _canonical(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """One layer of settings with aliases replaced by canonical names (GB aliases in bytes)."""
+    out: dict[str, Any] = {}
+    for key, value in layer.items():
         if key in _GB_ALIASES:
-            settings[_GB_ALIASES[key]] = int(float(value) * GiB)
+            try:
+                out[_GB_ALIASES[key]] = int(float(value) * GiB)
+            except (TypeError, ValueError):
+                raise ValueError(f"{key}: expected a number of GB such as 5 or 0.5 (LMCache style), got "
+                                 f"{value!r}; or set {_GB_ALIASES[key]} to a size such as '5GiB'") from None
         else:
-            settings[_ALIASES.get(key, key)] = value
+            out[_ALIASES.get(key, key)] = value
+    return out
+
+
+def _build(settings: dict[str, Any]) -> StoreConfig:
     if isinstance(settings.get("disk_path"), str) and settings["disk_path"].startswith("file://"):
         settings["disk_path"] = settings["disk_path"][len("file://"):]
     layout = settings.pop("layout", None)

@@ -24,8 +24,10 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from prometheus_client.registry import CollectorRegistry
 
@@ -34,9 +36,10 @@ from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
-from kvtier.tiers.base import Chunk, LoadResult, Status, Tier
+from kvtier.tiers.base import Chunk, Status, Tier, aligned_buffer
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.files import ChunkFiles
+from kvtier.tiers.host import HostTier, Lease
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.writer import BackgroundWriter
 
@@ -77,7 +80,41 @@ class LoadedChunk:
     index: int
     tier: str
     data: torch.Tensor
-    """``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``; shared, do not modify."""
+    """``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``; read-only, valid until the
+    iterator that yielded it advances."""
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    tier: str
+    lease: Lease
+
+
+def _release_when_done(fut: cf.Future[_Loaded | None]) -> None:
+    """Release the pin of a read that finished after its iterator was closed."""
+    if not fut.cancelled() and fut.exception() is None and (got := fut.result()) is not None:
+        got.lease.release()
+
+
+class BufferPool:
+    """Recycled aligned read buffers for reads that do not land in host DRAM."""
+
+    def __init__(self, nbytes: int, max_free: int) -> None:
+        self.nbytes = nbytes
+        self.max_free = max_free
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return aligned_buffer(self.nbytes)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.max_free:
+                self._free.append(buf)
 
 
 class TieredStore:
@@ -98,8 +135,9 @@ class TieredStore:
         self.store_metrics = TierMetrics("store")
         self._specs: dict[bytes, ChunkSpec] = {}
         self._spec_lock = threading.Lock()
-        self._writer = BackgroundWriter(self._spec(self.namespace), config.write_queue_chunks,
-                                        config.write_threads)
+        self._spec(self.namespace)  # describes the namespace in the disk and pool directories
+        self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 4 * config.io_threads)
+        self._writer = BackgroundWriter(config.write_queue_chunks, config.write_threads)
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.registry: CollectorRegistry = new_registry(
@@ -108,14 +146,20 @@ class TieredStore:
     @staticmethod
     def _open_tiers(config: StoreConfig) -> list[Tier]:
         tiers: list[Tier] = []
-        if config.host_bytes > 0:
-            tiers.append(HostTier(config.host_bytes))
-        if config.disk_path is not None:
-            tiers.append(DiskTier(config.disk_path, config.disk_bytes, fsync=config.fsync,
-                                  direct_io=config.direct_io))
-        if config.pool_url is not None:
-            tiers.append(PoolTier(parse_pool_url(config.pool_url), config.pool_bytes,
-                                  fsync=config.fsync, direct_io=config.direct_io))
+        try:
+            if config.host_bytes > 0:
+                tiers.append(HostTier(config.host_bytes, config.layout, config.chunk_tokens))
+            if config.disk_path is not None:
+                tiers.append(DiskTier(config.disk_path, config.disk_bytes, fsync=config.fsync,
+                                      direct_io=config.direct_io))
+            if config.pool_url is not None:
+                tiers.append(PoolTier(parse_pool_url(config.pool_url), config.pool_bytes,
+                                      fsync=config.fsync, direct_io=config.direct_io))
+        except BaseException:
+            # Release what opened before the failure (the disk tier's exclusive lock above all).
+            for tier in tiers:
+                tier.close()
+            raise
         return tiers
 
     # -- construction -----------------------------------------------------------------------
@@ -147,6 +191,10 @@ class TieredStore:
                 spec = ChunkSpec(digest, DTYPE_CODES[self.layout.dtype], shape,
                                  self.chunk_tokens * self.layout.bytes_per_token)
                 self._specs[digest] = spec
+                for tier in self.tiers:
+                    files = getattr(tier, "files", None)
+                    if isinstance(files, ChunkFiles):
+                        files.describe_namespace(digest, namespace.describe())
             return spec
 
     def _namespace(self, tenant_salt: str | None) -> Namespace:
@@ -222,14 +270,16 @@ class TieredStore:
     def iter_chunks(self, ids: Sequence[ChunkId], *, tenant_salt: str | None = None) -> Iterator[LoadedChunk]:
         """Yield the cached prefix of ``ids`` in order, reading ahead in parallel.
 
-        Stops at the first chunk that cannot be served. Closing the iterator early cancels
-        reads not yet started.
+        Stops at the first chunk that cannot be served. A yielded chunk's ``data`` stays valid
+        until the iterator advances or is closed: consume or copy it before asking for the
+        next one. Closing the iterator early cancels reads not yet started.
         """
         self._check_open()
         spec = self._spec(self._namespace(tenant_salt))
         located = self._locate(ids)
         window = 2 * self.config.io_threads
-        pending: dict[int, cf.Future[tuple[Tier | None, LoadResult]]] = {}
+        pending: dict[int, cf.Future[_Loaded | None]] = {}
+        held: Lease | None = None
         submitted = 0
         try:
             for i, tier in enumerate(located):
@@ -239,35 +289,56 @@ class TieredStore:
                     submitted += 1
                 if i in pending:
                     try:
-                        src, result = pending.pop(i).result(timeout=self.config.read_timeout_s)
+                        got = pending.pop(i).result(timeout=self.config.read_timeout_s)
                     except cf.TimeoutError:
                         tier.metrics.add(timeouts=1)
                         log.warning("read of chunk %d from %s exceeded read_timeout_s=%s; recomputing",
                                     i, tier.name, self.config.read_timeout_s)
                         return
                 else:
-                    src, result = self._load(ids[i], tier, spec)
-                if result.chunk is None or src is None:
+                    got = self._load(ids[i], tier, spec)
+                if got is None:
                     return
-                yield LoadedChunk(i, src.name, result.chunk.data)
+                if held is not None:
+                    held.release()
+                held = got.lease
+                yield LoadedChunk(i, got.tier, got.lease.chunk.data)
         finally:
+            if held is not None:
+                held.release()
             for fut in pending.values():
-                fut.cancel()
+                if not fut.cancel():
+                    fut.add_done_callback(_release_when_done)
 
-    def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec) -> tuple[Tier | None, LoadResult]:
-        """Load from ``first``, falling back to the tiers below it; promote to host on a hit."""
-        start = self.tiers.index(first)
-        result = LoadResult(Status.MISS)
-        for tier in self.tiers[start:]:
-            result = tier.load(cid, spec)
+    def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec) -> _Loaded | None:
+        """Load from ``first``, falling back to the tiers below it.
+
+        A chunk read from disk or the pool lands straight in a host DRAM slot (promotion
+        without a copy); with no host tier, in a recycled buffer.
+        """
+        for tier in self.tiers[self.tiers.index(first):]:
+            if tier is self.host:
+                lease = self.host.acquire(cid)
+                if lease is not None:
+                    return _Loaded(tier.name, lease)
+                continue
+            slot = self.host.reserve() if self.host is not None else None
+            into = self.host.slot_buffer(slot) if self.host is not None and slot is not None else self._buffers.take()
+            result = tier.load(cid, spec, into)
             if result.ok and result.chunk is not None:
-                if tier is not self.host and self.host is not None:
-                    self.host.store(result.chunk, spec)
-                return tier, result
+                if self.host is not None and slot is not None:
+                    lease = self.host.commit(slot, cid)
+                else:
+                    lease = Lease(result.chunk, partial(self._buffers.give, into))
+                return _Loaded(tier.name, lease)
+            if self.host is not None and slot is not None:
+                self.host.abandon(slot)
+            else:
+                self._buffers.give(into)
             if result.status is not Status.MISS:
                 log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name,
                          result.status.value, result.error)
-        return None, result
+        return None
 
     # -- write ------------------------------------------------------------------------------
 
@@ -276,28 +347,45 @@ class TieredStore:
         """Store the KV of every full chunk of ``tokens``; a trailing partial chunk is ignored.
 
         ``kv`` is ``[num_layers, 2, >= full-chunk tokens, num_kv_heads, head_dim]`` in the
-        layout's dtype, on any device. The store copies what it keeps; the caller keeps ``kv``.
+        layout's dtype, on any device. The store copies what it keeps (once, into host DRAM);
+        the caller keeps ``kv``. Never waits for disk or pool I/O.
         """
         self._check_open()
         namespace = self._namespace(tenant_salt)
+        spec = self._spec(namespace)
         ids = chunk_ids(namespace, tokens, extra)
         self._check_kv(kv, len(ids) * self.chunk_tokens)
         lower = [t for t in self.tiers if t is not self.host]
         stored = present = dropped = 0
         c = self.chunk_tokens
         for i, cid in enumerate(ids):
-            if self.host is not None and self.host.lookup([cid]):
-                present += 1
-                continue
-            data = torch.empty(self.layout.shape(c), dtype=self.layout.dtype)
-            data.copy_(kv[:, :, i * c:(i + 1) * c])
-            chunk = Chunk(cid, data)
+            src = kv[:, :, i * c:(i + 1) * c]
+            lease: Lease | None = None
             if self.host is not None:
-                self.host.store(chunk, self._spec(namespace))
-            if not self._writer.submit(chunk, lower):
-                dropped += 1
+                existing = self.host.acquire(cid)
+                if existing is not None:
+                    existing.release()
+                    present += 1
+                    continue
+                lease = self.host.put(cid, src)
+            if lease is None:  # no host tier, or every slot pinned by in-flight work
+                data = torch.empty(self.layout.shape(c), dtype=self.layout.dtype)
+                data.copy_(src)
+                lease = Lease(Chunk(cid, data))
             stored += 1
+            if not self._write_down(lease, spec, lower):
+                dropped += 1
         return PutResult(stored, present, dropped)
+
+    def _write_down(self, lease: Lease, spec: ChunkSpec, tiers: Sequence[Tier]) -> bool:
+        """Queue a pinned chunk for ``tiers``; the pin is released once written or dropped."""
+        if not tiers:
+            lease.release()
+            return True
+        if self._writer.submit(lease.chunk, spec, tiers, on_done=lease.release):
+            return True
+        lease.release()
+        return False
 
     def _check_kv(self, kv: torch.Tensor, min_tokens: int) -> None:
         if not isinstance(kv, torch.Tensor):

@@ -1,8 +1,8 @@
 """Background write-down of chunks to the lower tiers, through a bounded queue.
 
 ``submit`` never blocks: when the queue is full the write is dropped and counted against
-every tier it was meant for. Writer threads hold a reference to the chunk tensor, so a chunk
-evicted from host DRAM before it reached disk is still written.
+every tier it was meant for. A queued item keeps its chunk pinned (``on_done`` releases it
+after the last tier), so a chunk leaving host DRAM before it reached disk is still written.
 """
 
 from __future__ import annotations
@@ -10,34 +10,39 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.format import ChunkSpec
 from kvtier.tiers.base import Chunk, Status, Tier
 
 log = logging.getLogger(__name__)
 
-_STOP = None
+
+@dataclass(frozen=True)
+class _Write:
+    chunk: Chunk
+    spec: ChunkSpec
+    tiers: Sequence[Tier]
+    on_done: Callable[[], None] | None
 
 
 class BackgroundWriter:
-    def __init__(self, spec: ChunkSpec, max_queued: int, num_threads: int = 1) -> None:
-        self.spec = spec
-        self._queue: queue.Queue[tuple[Chunk, Sequence[Tier]] | None] = queue.Queue(max_queued)
+    def __init__(self, max_queued: int, num_threads: int = 1) -> None:
+        self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
                          for i in range(num_threads)]
         self._closed = False
         for t in self._threads:
             t.start()
 
-    def submit(self, chunk: Chunk, tiers: Sequence[Tier]) -> bool:
-        """Queue ``chunk`` for ``tiers``; False (and counted) if the queue is full."""
-        if not tiers:
-            return True
+    def submit(self, chunk: Chunk, spec: ChunkSpec, tiers: Sequence[Tier],
+               on_done: Callable[[], None] | None = None) -> bool:
+        """Queue ``chunk`` for ``tiers``; False (counted, ``on_done`` not called) if full."""
         if self._closed:
             raise RuntimeError("store is closed")
         try:
-            self._queue.put_nowait((chunk, tiers))
+            self._queue.put_nowait(_Write(chunk, spec, tiers, on_done))
             return True
         except queue.Full:
             for tier in tiers:
@@ -57,7 +62,7 @@ class BackgroundWriter:
             return
         self._closed = True
         for _ in self._threads:
-            self._queue.put(_STOP)
+            self._queue.put(None)
         for t in self._threads:
             t.join()
 
@@ -65,12 +70,11 @@ class BackgroundWriter:
         while True:
             item = self._queue.get()
             try:
-                if item is _STOP:
+                if item is None:
                     return
-                chunk, tiers = item
-                for tier in tiers:
+                for tier in item.tiers:
                     try:
-                        result = tier.store(chunk, self.spec)
+                        result = tier.store(item.chunk, item.spec)
                     except Exception:  # a tier bug must not kill the writer thread
                         log.exception("tier %s raised on store", tier.name)
                         tier.metrics.add(failed_writes=1)
@@ -78,4 +82,6 @@ class BackgroundWriter:
                     if result.status is Status.FAILED:
                         log.debug("write to %s failed: %s", tier.name, result.error)
             finally:
+                if item is not None and item.on_done is not None:
+                    item.on_done()
                 self._queue.task_done()

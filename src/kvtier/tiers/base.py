@@ -82,8 +82,13 @@ class Tier(Protocol):
         """
         ...
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec) -> LoadResult:
-        """Read one chunk, fully validated against ``chunk`` and ``spec``."""
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
+        """Read one chunk, fully validated against ``chunk`` and ``spec``.
+
+        ``into``: a 4096-aligned buffer of ``spec.file_bytes`` to read the chunk file into (the
+        result's data is then a view of it); the tier allocates one when None. On a failed
+        load the buffer's content is undefined.
+        """
         ...
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:

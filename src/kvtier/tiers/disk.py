@@ -16,6 +16,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkError, ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
@@ -68,13 +70,13 @@ class DiskTier:
                 n += 1
             return n
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec) -> LoadResult:
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
         with self._lock:
             if chunk.key not in self._index:
                 return LoadResult(Status.MISS)
         t0 = time.perf_counter()
         try:
-            got = self.files.read(chunk, spec)
+            got = self.files.read(chunk, spec, into)
         except FileNotFoundError:
             # Deleted behind our back (an operator, a full-disk cleanup): forget it.
             self._forget(chunk.key)

@@ -31,6 +31,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.tiers.base import Chunk, aligned_buffer
+from kvtier.tiers.pagecache import cached_bytes
 
 log = logging.getLogger(__name__)
 
@@ -131,40 +132,80 @@ class ChunkFiles:
 
     # -- read -------------------------------------------------------------------------------
 
-    def read(self, cid: ChunkId, spec: ChunkSpec) -> Chunk:
-        """Read and validate one chunk into a fresh aligned buffer the caller then owns.
+    def read(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> Chunk:
+        """Read and validate one chunk into ``into`` (4096-aligned, ``spec.file_bytes`` long;
+        a fresh buffer when None); the returned chunk's data is a view of that buffer.
 
-        Raises FileNotFoundError when absent, ChunkError when the bytes are not this chunk,
-        OSError for I/O faults.
+        With ``direct_io``, a file the page cache holds whole is copied from it (a memcpy) and
+        any other is read with O_DIRECT, so cold chunks bypass the cache (the host tier keeps
+        the copy that matters). Raises FileNotFoundError when absent, ChunkError when the
+        bytes are not this chunk, OSError for I/O faults.
         """
         path = self.path_for(cid.key)
-        fd = self._open_for_read(path)
+        fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size != spec.file_bytes:
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
                 raise ChunkError(fault, f"{path.name}: {size} B, expected {spec.file_bytes} B")
-            buf = aligned_buffer(size)
-            _read_all(fd, buf)
+            buf = aligned_buffer(size) if into is None else into
+            view = memoryview(buf)
+            done = 0
+            if self.direct_io and (cached_bytes(fd) or 0) < size:
+                done = self._read_direct(path, view)
+            _read_all(fd, view, done)
         finally:
             os.close(fd)
-        payload = spec.decode(memoryview(buf), cid)
-        del payload
+        spec.decode(view, cid)
         dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
         return Chunk(cid, data.view(dtype).view(spec.shape))
 
-    def _open_for_read(self, path: Path) -> int:
-        if self.direct_io:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # tmpfs and some network filesystems refuse O_DIRECT: stop asking.
-                log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
-                self.direct_io = False
-        return os.open(path, os.O_RDONLY)
+    def _read_direct(self, path: Path, view: memoryview) -> int:
+        """O_DIRECT read into ``view``; returns how far it got (the caller finishes buffered)."""
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except FileNotFoundError:
+            # Unlinked (evicted) since the caller opened it: its descriptor still reads the file.
+            return 0
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # tmpfs and some network filesystems refuse O_DIRECT: stop asking.
+            log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
+            self.direct_io = False
+            return 0
+        try:
+            return _read_all(dfd, view, 0, stop_on_einval=True)
+        finally:
+            os.close(dfd)
+
+    # -- namespaces ---------------------------------------------------------------------------
+
+    def describe_namespace(self, digest: bytes, info: dict[str, object]) -> None:
+        """Write ``ROOT/namespaces/<digest>.json`` once, so `pool stats` can name models."""
+        path = self.root / "namespaces" / f"{digest.hex()}.json"
+        if path.exists():
+            return
+        try:
+            path.parent.mkdir(mode=self.dir_mode, exist_ok=True)
+            self.write_small(path, json.dumps(info, sort_keys=True).encode())
+        except OSError:
+            pass  # descriptive only
+
+    def namespaces(self) -> dict[str, dict[str, object]]:
+        out: dict[str, dict[str, object]] = {}
+        try:
+            entries = list(os.scandir(self.root / "namespaces"))
+        except OSError:
+            return out
+        for entry in entries:
+            if entry.name.endswith(".json"):
+                try:
+                    out[entry.name[:-5]] = json.loads(Path(entry.path).read_text())
+                except (OSError, ValueError):
+                    continue
+        return out
 
     # -- maintenance ------------------------------------------------------------------------
 
@@ -247,24 +288,23 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
                 n = 0
 
 
-def _read_all(fd: int, buf: np.ndarray) -> None:
-    view = memoryview(buf)
-    done = 0
+def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:
+    """Fill ``view[done:]`` from ``fd`` at the same offsets; returns the bytes filled.
+
+    With ``stop_on_einval`` an EINVAL (O_DIRECT accepted at open, refused at read, as on
+    some FUSE mounts) returns early so the caller can finish with a buffered read.
+    """
     while done < len(view):
         try:
             n = os.preadv(fd, [view[done:]], done)
         except OSError as exc:
-            if exc.errno != errno.EINVAL or done:
-                raise
-            # O_DIRECT accepted at open but refused at read (some FUSE/NFS setups):
-            # drop the flag for this descriptor and go on buffered.
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            continue
+            if stop_on_einval and exc.errno == errno.EINVAL:
+                return done
+            raise
         if n == 0:
             raise ChunkError(ChunkFault.TRUNCATED, f"short read: {done} of {len(view)} B")
         done += n
+    return done
 
 
 def _unlink_quietly(path: Path) -> None:

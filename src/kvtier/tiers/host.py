@@ -1,86 +1,217 @@
-"""Host DRAM tier: chunks kept as tensors in this process, LRU within a byte budget.
+"""Host DRAM tier: a slab of chunk-sized slots in this process, LRU within a byte budget.
 
-Eviction only drops the in-memory copy: chunks also written to disk or the pool (the store
-queues that write when the chunk enters this tier) stay available there.
+The slab is allocated once (its pages are touched on first use only) and reused, so reading a
+chunk from disk or the pool into host DRAM costs no allocation: the I/O thread reads the whole
+chunk file straight into a free slot (``reserve``), the store validates it, and ``commit``
+publishes it. Slots in use are pinned by a ``Lease``: eviction never reuses a pinned slot, so
+nobody ever sees a slot's bytes change under them. Eviction only drops the in-memory copy:
+chunks also written to disk or the pool stay available there.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from kvtier.format import ChunkSpec
+import numpy as np
+import torch
+
+from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
+from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
+from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, aligned_buffer
+
+
+class Lease:
+    """A pinned chunk: its memory is not reused until ``release`` (idempotent)."""
+
+    __slots__ = ("chunk", "_release", "_done")
+
+    def __init__(self, chunk: Chunk, release: Callable[[], None] | None = None) -> None:
+        self.chunk = chunk
+        self._release = release
+        self._done = False
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._release is not None:
+                self._release()
+
+
+@dataclass
+class _Slot:
+    key: ChunkKey | None = None
+    id: ChunkId | None = None
+    pins: int = 0
 
 
 class HostTier:
     name = "host"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, layout: KVLayout, chunk_tokens: int) -> None:
+        self.shape = layout.shape(chunk_tokens)
+        self.dtype = layout.dtype
+        self.payload_bytes = chunk_tokens * layout.bytes_per_token
+        self.slot_bytes = file_bytes_for(self.payload_bytes)
+        self.num_slots = capacity_bytes // self.slot_bytes
         self.capacity_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
         self._lock = threading.Lock()
-        self._chunks: OrderedDict[ChunkKey, Chunk] = OrderedDict()
-        self._bytes = 0
+        self._slab = aligned_buffer(self.num_slots * self.slot_bytes) if self.num_slots else np.empty(0, np.uint8)
+        self._slots = [_Slot() for _ in range(self.num_slots)]
+        self._views: list[torch.Tensor | None] = [None] * self.num_slots
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def slot_buffer(self, slot: int) -> np.ndarray:
+        """The whole-file-sized, 4096-aligned buffer of ``slot`` (payload at byte 4096)."""
+        start = slot * self.slot_bytes
+        return self._slab[start:start + self.slot_bytes]
+
+    def _view(self, slot: int) -> torch.Tensor:
+        view = self._views[slot]
+        if view is None:
+            start = slot * self.slot_bytes + PAYLOAD_OFFSET
+            raw = torch.from_numpy(self._slab[start:start + self.payload_bytes])
+            view = self._views[slot] = raw.view(self.dtype).view(self.shape)
+        return view
+
+    def reserve(self) -> int | None:
+        """A slot to fill, evicting the least recently used unpinned chunk if needed.
+
+        None when every slot is pinned. The caller must ``commit`` or ``abandon`` it.
+        """
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            for key, slot in self._index.items():
+                if self._slots[slot].pins == 0:
+                    del self._index[key]
+                    self._slots[slot] = _Slot()
+                    self.metrics.add(evictions=1, evicted_bytes=self.slot_bytes)
+                    self._publish_gauges()
+                    return slot
+            return None
+
+    def abandon(self, slot: int) -> None:
+        with self._lock:
+            self._slots[slot] = _Slot()
+            self._free.append(slot)
+
+    def commit(self, slot: int, cid: ChunkId) -> Lease:
+        """Publish a filled slot as chunk ``cid``; returns it pinned.
+
+        If another thread published the same chunk first, ``slot`` goes back to the free list
+        and the existing copy is returned instead.
+        """
+        with self._lock:
+            existing = self._index.get(cid.key)
+            if existing is not None:
+                self._slots[slot] = _Slot()
+                self._free.append(slot)
+                slot = existing
+                self._index.move_to_end(cid.key)
+            else:
+                self._slots[slot] = _Slot(cid.key, cid)
+                self._index[cid.key] = slot
+                self.metrics.add(bytes_written=self.payload_bytes, written_chunks=1)
+                self._publish_gauges()
+            self._slots[slot].pins += 1
+        return Lease(Chunk(cid, self._view(slot)), lambda: self._unpin(slot))
+
+    def acquire(self, cid: ChunkId) -> Lease | None:
+        """Pin and return a held chunk (refreshing its LRU position), or None."""
+        with self._lock:
+            slot = self._index.get(cid.key)
+            if slot is None or self._slots[slot].id != cid:
+                return None
+            self._index.move_to_end(cid.key)
+            self._slots[slot].pins += 1
+        self.metrics.add(bytes_read=self.payload_bytes)
+        return Lease(Chunk(cid, self._view(slot)), lambda: self._unpin(slot))
+
+    def _unpin(self, slot: int) -> None:
+        with self._lock:
+            self._slots[slot].pins -= 1
+
+    def _publish_gauges(self) -> None:
+        self.metrics.set(chunks=len(self._index), bytes=len(self._index) * self.slot_bytes)
+
+    # -- Tier protocol ----------------------------------------------------------------------
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
         with self._lock:
             n = 0
             for cid in ids:
-                held = self._chunks.get(cid.key)
-                if held is None or held.id != cid:
+                slot = self._index.get(cid.key)
+                if slot is None or self._slots[slot].id != cid:
                     break
                 n += 1
             return n
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec) -> LoadResult:
-        with self._lock:
-            held = self._chunks.get(chunk.key)
-            if held is None or held.id != chunk:
-                return LoadResult(Status.MISS)
-            self._chunks.move_to_end(chunk.key)
-        self.metrics.add(bytes_read=held.nbytes)
-        return LoadResult(Status.HIT, held)
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
+        """A copy of a held chunk (the store itself uses ``acquire`` and reads in place)."""
+        lease = self.acquire(chunk)
+        if lease is None:
+            return LoadResult(Status.MISS)
+        try:
+            return LoadResult(Status.HIT, Chunk(chunk, lease.chunk.data.clone()))
+        finally:
+            lease.release()
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
-        nbytes = chunk.nbytes
-        if nbytes > self.capacity_bytes:
-            return StoreResult(Status.FAILED, f"chunk of {nbytes} B exceeds host_bytes")
         with self._lock:
-            if chunk.id.key in self._chunks:
-                self._chunks.move_to_end(chunk.id.key)
+            slot = self._index.get(chunk.id.key)
+            if slot is not None and self._slots[slot].id == chunk.id:
+                self._index.move_to_end(chunk.id.key)
                 return StoreResult(Status.EXISTS)
-            self._chunks[chunk.id.key] = chunk
-            self._bytes += nbytes
-            self._evict_locked(self.capacity_bytes)
-            self.metrics.set(chunks=len(self._chunks), bytes=self._bytes)
-        self.metrics.add(bytes_written=nbytes, written_chunks=1)
+        lease = self.put(chunk.id, chunk.data)
+        if lease is None:
+            return StoreResult(Status.FAILED, "every host slot is pinned")
+        lease.release()
         return StoreResult(Status.WRITTEN)
 
-    def evict(self, target_bytes: int) -> int:
-        with self._lock:
-            n = self._evict_locked(target_bytes)
-            self.metrics.set(chunks=len(self._chunks), bytes=self._bytes)
-            return n
+    def put(self, cid: ChunkId, data: torch.Tensor) -> Lease | None:
+        """Copy ``data`` (one chunk, any device) into a slot; returns it pinned, or None if full."""
+        held = self.acquire(cid)
+        if held is not None:
+            return held
+        slot = self.reserve()
+        if slot is None:
+            return None
+        self._view(slot).copy_(data)
+        return self.commit(slot, cid)
 
-    def _evict_locked(self, target_bytes: int) -> int:
+    def evict(self, target_bytes: int) -> int:
         n = 0
-        while self._bytes > target_bytes and self._chunks:
-            _, old = self._chunks.popitem(last=False)
-            self._bytes -= old.nbytes
-            self.metrics.add(evictions=1, evicted_bytes=old.nbytes)
-            n += 1
+        with self._lock:
+            for key in list(self._index):
+                if len(self._index) * self.slot_bytes <= target_bytes:
+                    break
+                slot = self._index[key]
+                if self._slots[slot].pins:
+                    continue
+                del self._index[key]
+                self._slots[slot] = _Slot()
+                self._free.append(slot)
+                self.metrics.add(evictions=1, evicted_bytes=self.slot_bytes)
+                n += 1
+            self._publish_gauges()
         return n
 
     def keys(self) -> list[ChunkKey]:
         """Held keys, least recently used first."""
         with self._lock:
-            return list(self._chunks)
+            return list(self._index)
 
     def close(self) -> None:
         with self._lock:
-            self._chunks.clear()
-            self._bytes = 0
+            self._index.clear()
+            self._slots = [_Slot() for _ in range(self.num_slots)]
+            self._free = list(range(self.num_slots - 1, -1, -1))

@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
+
 from kvtier.format import ChunkError, ChunkSpec
 from kvtier.keys import ChunkId
 from kvtier.metrics import TierMetrics
@@ -78,10 +80,10 @@ class PoolTier:
             n += 1
         return n
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec) -> LoadResult:
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
         t0 = time.perf_counter()
         try:
-            got = self.files.read(chunk, spec)
+            got = self.files.read(chunk, spec, into)
         except FileNotFoundError:
             self.metrics.add(read_races=1)
             return LoadResult(Status.MISS)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install everything the tests need into .venv-test (created here) and run them.
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVTIER_TEST_VENV:-.venv-test}
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+# The CPU build of torch first (a plain `torch` requirement would pull a CUDA build).
+"$VENV/bin/pip" install -q torch==2.13.0
+"$VENV/bin/pip" install -q -e '.[test]'
+exec "$VENV/bin/python" -m pytest -q "$@"

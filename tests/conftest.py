@@ -1,0 +1,110 @@
+"""Tiny factories shared by the tests: a 2-layer, 2-head, 8-dim layout with 16-token chunks.
+
+One chunk is 2048 payload bytes (8192 on disk with its 4096-byte header and padding), so a
+test can store dozens of chunks in milliseconds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier import KVLayout, StoreConfig, TieredStore
+from kvtier.format import ChunkSpec, file_bytes_for
+from kvtier.keys import ChunkId, Namespace, chunk_ids
+from kvtier.layout import DTYPE_CODES
+from kvtier.tiers.base import Chunk
+
+CHUNK_TOKENS = 16
+MODEL_ID = "tiny-llama"
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """Factories for one tiny model; every method is deterministic in its ``seed``."""
+
+    layout: KVLayout = field(default_factory=lambda: KVLayout(num_layers=2, num_kv_heads=2, head_dim=8,
+                                                              dtype=torch.bfloat16))
+    chunk_tokens: int = CHUNK_TOKENS
+    model_id: str = MODEL_ID
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.chunk_tokens * self.layout.bytes_per_token
+
+    @property
+    def file_bytes(self) -> int:
+        return file_bytes_for(self.payload_bytes)
+
+    def config(self, **overrides: Any) -> StoreConfig:
+        settings: dict[str, Any] = {"model_id": self.model_id, "layout": self.layout,
+                                    "chunk_tokens": self.chunk_tokens, "host_bytes": 1 << 20,
+                                    "io_threads": 2, "read_timeout_s": 5.0}
+        settings.update(overrides)
+        return StoreConfig(**settings)
+
+    def namespace(self, **overrides: Any) -> Namespace:
+        fields_: dict[str, Any] = {"model_id": self.model_id, "layout": self.layout,
+                                   "chunk_tokens": self.chunk_tokens}
+        fields_.update(overrides)
+        return Namespace(**fields_)
+
+    def spec(self, namespace: Namespace | None = None) -> ChunkSpec:
+        """What a store of this model expects of its chunk files."""
+        ns = namespace or self.namespace()
+        return ChunkSpec(ns.digest, DTYPE_CODES[ns.layout.dtype], ns.layout.shape(ns.chunk_tokens),
+                         ns.chunk_tokens * ns.layout.bytes_per_token)
+
+    def tokens(self, n: int, seed: int = 0) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(0, 50_000) for _ in range(n)]
+
+    def kv(self, n: int, seed: int = 0) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(self.layout.shape(n), generator=gen).to(self.layout.dtype)
+
+    def ids(self, n_chunks: int, seed: int = 0, namespace: Namespace | None = None) -> list[ChunkId]:
+        return chunk_ids(namespace or self.namespace(), self.tokens(n_chunks * self.chunk_tokens, seed))
+
+    def chunks(self, n_chunks: int, seed: int = 0) -> list[Chunk]:
+        """``n_chunks`` chained chunks with real ids and random KV."""
+        kv = self.kv(n_chunks * self.chunk_tokens, seed)
+        c = self.chunk_tokens
+        return [Chunk(cid, kv[:, :, i * c:(i + 1) * c].contiguous())
+                for i, cid in enumerate(self.ids(n_chunks, seed))]
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same shape, dtype and bytes (torch.equal on the raw bits: -0.0 != 0.0 here)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture
+def tiny() -> Tiny:
+    return Tiny()
+
+
+@pytest.fixture
+def make_store(tiny: Tiny) -> Iterator[Any]:
+    """``make_store(**config_overrides, tiers=None)`` -> an open TieredStore, closed after the test."""
+    stores: list[TieredStore] = []
+
+    def factory(*, tiers: Any = None, **overrides: Any) -> TieredStore:
+        store = TieredStore(tiny.config(**overrides), tiers=tiers)
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def bits_equal() -> Any:
+    return assert_bits_equal

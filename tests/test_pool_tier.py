@@ -1,0 +1,327 @@
+"""kvtier.tiers.pool: a directory shared by many processes; atomic publish, shared budget, races."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.format import PAYLOAD_OFFSET, ChunkError, payload_checksum, unpack_header
+from kvtier.tiers import files as files_mod
+from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.pool import PoolTier, parse_pool_url
+
+FILE = 8192
+WORKERS = Path(__file__).with_name("_workers.py")
+
+
+@pytest.fixture
+def pool_dir(tmp_path) -> Path:
+    return tmp_path / "pool"
+
+
+@pytest.fixture
+def open_pool(pool_dir):
+    tiers: list[PoolTier] = []
+
+    def factory(capacity_bytes: int | None = None, **kw) -> PoolTier:
+        tier = PoolTier(pool_dir, capacity_bytes, **kw)
+        tiers.append(tier)
+        return tier
+
+    yield factory
+    for tier in tiers:
+        tier.close()
+
+
+def _kvt_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvt"))
+
+
+def _bytes_on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in _kvt_files(root))
+
+
+@pytest.mark.parametrize(("url", "path"), [("fs:///mnt/pool", "/mnt/pool"), ("fs://rel/pool", "rel/pool"),
+                                           ("/plain/path", "/plain/path")])
+def test_parse_pool_url(url, path):
+    assert parse_pool_url(url) == path
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "lm://localhost:65432", "fs://", ""])
+def test_parse_pool_url_rejects(url):
+    with pytest.raises(ValueError, match="pool_url"):
+        parse_pool_url(url)
+
+
+def test_speaks_the_tier_protocol(open_pool):
+    assert isinstance(open_pool(), Tier)
+
+
+def test_round_trip_across_instances(open_pool, tiny, bits_equal):
+    a_tier, b_tier = open_pool(), open_pool()
+    chunks = tiny.chunks(3)
+    for ch in chunks[:2]:
+        assert a_tier.store(ch, tiny.spec()).status is Status.WRITTEN
+    ids = [c.id for c in chunks]
+    assert b_tier.lookup(ids) == 2  # another instance sees them at once
+    for ch in chunks[:2]:
+        got = b_tier.load(ch.id, tiny.spec())
+        assert got.ok
+        bits_equal(got.chunk.data, ch.data)
+    assert b_tier.load(chunks[2].id, tiny.spec()).status is Status.MISS
+    # Two writers of the same chunk: harmless, the second sees it is there.
+    assert b_tier.store(chunks[0], tiny.spec()).status is Status.EXISTS
+    assert len(_kvt_files(a_tier.files.root)) == 2
+    assert (a_tier.metrics.snapshot().written_chunks, b_tier.metrics.snapshot().bytes_read) == (2, 4096)
+
+
+def test_publish_is_atomic_rename_of_a_complete_temp_file(open_pool, tiny, monkeypatch):
+    pool = open_pool()
+    (a,) = tiny.chunks(1)
+    seen: list[tuple[str, str, int, bool]] = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        src, dst = Path(src), Path(dst)
+        seen.append((src.name, dst.name, src.stat().st_size, dst.exists()))
+        image = src.read_bytes()
+        header = unpack_header(image)  # the temp file is already a whole, valid chunk
+        assert payload_checksum(image[PAYLOAD_OFFSET:PAYLOAD_OFFSET + 2048]) == header.payload_xxh3
+        assert src.parent == dst.parent
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files_mod.os, "replace", spy)
+    pool.store(a, tiny.spec())
+    h = a.id.key.hex()
+    ((src, dst, size, existed),) = seen
+    assert src.startswith(f"{h}.kvt.{os.getpid()}.") and src.endswith(".tmp")
+    assert (dst, size, existed) == (f"{h}.kvt", FILE, False)
+
+
+def test_failed_publish_leaves_nothing_behind(open_pool, tiny, monkeypatch):
+    pool = open_pool()
+    (a,) = tiny.chunks(1)
+
+    def crash(fd, buffers):
+        os.write(fd, b"half a chunk")
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(files_mod.os, "writev", crash)
+    assert pool.store(a, tiny.spec()).status is Status.FAILED
+    monkeypatch.undo()
+    assert list(pool.files.root.rglob("*/*/*")) == []
+    assert pool.lookup([a.id]) == 0
+    assert pool.metrics.snapshot().failed_writes == 1
+
+
+def test_temp_files_are_ignored_by_lookup_load_and_scan(open_pool, tiny):
+    pool = open_pool()
+    a, b = tiny.chunks(2)
+    pool.store(b, tiny.spec())
+    final = pool.files.path_for(a.id.key)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + ".4242.deadbeef.tmp")
+    # A killed writer's temp file, even a complete one, is not a chunk until renamed.
+    tmp.write_bytes(pool.files.path_for(b.id.key).read_bytes())
+    assert pool.lookup([a.id]) == 0
+    assert pool.load(a.id, tiny.spec()).status is Status.MISS
+    assert [f.key for f in pool.files.scan()] == [b.id.key]
+    assert [p for p, _ in pool.files.temp_files()] == [tmp]
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "direct_io_cold"])
+def test_unlink_while_reader_has_file_open_does_not_break_the_reader(open_pool, tiny, monkeypatch,
+                                                                    bits_equal, direct_io):
+    reader, evictor = open_pool(direct_io=direct_io), open_pool()
+    (a,) = tiny.chunks(1)
+    reader.store(a, tiny.spec())
+    path = reader.files.path_for(a.id.key)
+    _drop_from_page_cache(path)  # a cold file: the O_DIRECT path, where it is supported
+    real_open = os.open
+    evicted: list[int] = []
+
+    def open_then_evict(file, flags, *args, **kwargs):
+        fd = real_open(file, flags, *args, **kwargs)
+        if Path(file) == path and not evicted:
+            # Another instance evicts the chunk right after this reader opened it.
+            evicted.append(evictor.evict(0))
+            assert not path.exists()
+        return fd
+
+    monkeypatch.setattr(files_mod.os, "open", open_then_evict)
+    got = reader.load(a.id, tiny.spec())
+    monkeypatch.undo()
+    assert evicted == [1]
+    assert got.status is Status.HIT, got
+    bits_equal(got.chunk.data, a.data)
+    assert reader.metrics.snapshot().read_races == 0
+
+
+def test_file_gone_before_open_is_a_counted_read_race(open_pool, tiny):
+    pool = open_pool()
+    (a,) = tiny.chunks(1)
+    pool.store(a, tiny.spec())
+    assert pool.lookup([a.id]) == 1
+    os.unlink(pool.files.path_for(a.id.key))  # evicted by someone else after our lookup
+    assert pool.load(a.id, tiny.spec()).status is Status.MISS
+    snap = pool.metrics.snapshot()
+    assert (snap.read_races, snap.corrupt_chunks, snap.failed_reads) == (1, 0, 0)
+
+
+def test_corrupt_chunk_is_removed_for_every_instance(open_pool, tiny):
+    a_tier, b_tier = open_pool(), open_pool()
+    (a,) = tiny.chunks(1)
+    a_tier.store(a, tiny.spec())
+    path = a_tier.files.path_for(a.id.key)
+    with open(path, "r+b") as f:
+        f.seek(PAYLOAD_OFFSET + 7)
+        byte = f.read(1)
+        f.seek(PAYLOAD_OFFSET + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    result = b_tier.load(a.id, tiny.spec())
+    assert result.status is Status.CORRUPT and "payload_checksum" in result.error
+    assert not path.exists()
+    assert a_tier.lookup([a.id]) == 0
+    assert b_tier.metrics.snapshot().corrupt_chunks == 1
+
+
+def test_evict_removes_least_recently_used_by_mtime(open_pool, tiny):
+    pool = open_pool()
+    chunks = tiny.chunks(5)
+    now = time.time()
+    for age, ch in zip((50, 10, 40, 20, 30), chunks):
+        pool.store(ch, tiny.spec())
+        os.utime(pool.files.path_for(ch.id.key), (now - age, now - age))
+    assert pool.evict(2 * FILE) == 3
+    assert {f.key for f in pool.files.scan()} == {chunks[1].id.key, chunks[3].id.key}
+    assert json.loads((pool.files.root / ".usage").read_text())["bytes"] == 2 * FILE
+    snap = pool.metrics.snapshot()
+    assert (snap.evictions, snap.evicted_bytes, snap.chunks, snap.bytes) == (3, 3 * FILE, 2, 2 * FILE)
+
+
+def test_budget_holds_across_instances_with_exact_lru(open_pool, tiny, pool_dir):
+    """Two instances sharing one budget of 10 chunks; each syncs after every chunk."""
+    capacity = 10 * FILE
+    tiers = [open_pool(capacity, sync_bytes=FILE), open_pool(capacity, sync_bytes=FILE)]
+    chunks = tiny.chunks(30, seed=7)
+    base = time.time() - 1000
+    for i, ch in enumerate(chunks):
+        assert tiers[i % 2].store(ch, tiny.spec()).status is Status.WRITTEN
+        # Pin mtimes to write order so LRU is exact whatever the clock granularity.
+        os.utime(tiers[0].files.path_for(ch.id.key), (base + i, base + i))
+        assert _bytes_on_disk(pool_dir) <= capacity
+    # Over budget at 11 chunks -> down to 9 (low watermark), so 2 go per 2 writes after the 10th.
+    assert {f.key for f in tiers[0].files.scan()} == {ch.id.key for ch in chunks[20:]}
+    evicted = sum(t.metrics.snapshot().evictions for t in tiers)
+    assert evicted == 20
+    assert json.loads((pool_dir / ".usage").read_text())["bytes"] == 10 * FILE
+
+
+def test_budget_holds_across_two_stores(make_store, tiny, pool_dir):
+    capacity = 10 * FILE
+    stores = [make_store(host_bytes=0, pool_url=f"fs://{pool_dir}", pool_bytes=capacity) for _ in range(2)]
+    n = tiny.chunk_tokens
+    for seed in range(16):
+        stores[seed % 2].put(tiny.tokens(n, seed), tiny.kv(n, seed))
+    for store in stores:
+        store.flush()
+    assert len(_kvt_files(pool_dir)) == 16  # between syncs the pool may overshoot (bounded)
+    for store in stores:
+        store.close()  # closing syncs this instance's bytes into the shared total
+    assert _bytes_on_disk(pool_dir) <= capacity
+    assert json.loads((pool_dir / ".usage").read_text())["bytes"] == _bytes_on_disk(pool_dir)
+    evicted = sum(s.metrics_snapshot()["tiers"]["pool"]["evictions"] for s in stores)
+    assert evicted == 16 - len(_kvt_files(pool_dir)) == 7  # down to the 90% low watermark
+
+
+def test_eviction_racing_readers_never_yields_corrupt_data(open_pool, tiny, bits_equal):
+    """Readers and an evicting rewriter hammer the same 4 chunks: only HITs and MISSes."""
+    writer, reader = open_pool(), open_pool()
+    chunks = tiny.chunks(4, seed=3)
+    stop = threading.Event()
+    statuses: dict[Status, int] = {}
+    errors: list[BaseException] = []
+
+    def churn():
+        while not stop.is_set():
+            for ch in chunks:
+                writer.store(ch, tiny.spec())
+            writer.evict(2 * FILE)
+
+    def read():
+        try:
+            while not stop.is_set():
+                for ch in chunks:
+                    got = reader.load(ch.id, tiny.spec())
+                    statuses[got.status] = statuses.get(got.status, 0) + 1
+                    if got.ok:
+                        bits_equal(got.chunk.data, ch.data)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert set(statuses) <= {Status.HIT, Status.MISS}
+    assert statuses.get(Status.HIT, 0) > 0
+    assert reader.metrics.snapshot().corrupt_chunks == 0
+
+
+def test_two_processes_write_and_read_one_pool_concurrently(tiny, tmp_path, pool_dir, make_store, bits_equal):
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    procs = [subprocess.Popen([sys.executable, str(WORKERS), "pool-rw", str(pool_dir), str(role), "2",
+                               str(rendezvous)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for role in range(2)]
+    # Meanwhile, every file under a final .kvt name must be a whole, valid chunk.
+    checked_files = 0
+    deadline = time.monotonic() + 90
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        for path in _kvt_files(pool_dir) if pool_dir.exists() else []:
+            image = path.read_bytes()
+            assert len(image) == FILE, f"partial chunk visible: {path.name} has {len(image)} B"
+            try:
+                header = unpack_header(image)
+            except ChunkError as exc:  # pragma: no cover - the failure message
+                pytest.fail(f"{path.name}: {exc}")
+            assert path.name == f"{header.chunk.key.hex()}.kvt"
+            assert payload_checksum(image[PAYLOAD_OFFSET:PAYLOAD_OFFSET + 2048]) == header.payload_xxh3
+            checked_files += 1
+        time.sleep(0.002)
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        assert proc.returncode == 0, err
+        results.append(json.loads(out))
+    # Each read back 1 shared + 4 own + 4 peer sequences of 4 chunks, all bit-exact.
+    assert results == [{"checked": 9, "corrupt": 0, "failed_writes": 0}] * 2
+    assert checked_files > 0
+    assert len(_kvt_files(pool_dir)) == 9 * 4  # the shared sequence stored once
+    assert list(pool_dir.rglob("*.tmp")) == []
+
+    store = make_store(host_bytes=0, pool_url=f"fs://{pool_dir}")
+    n = 4 * tiny.chunk_tokens
+    for seed in [999, 100, 101, 102, 103, 110, 111, 112, 113]:
+        assert store.lookup(tiny.tokens(n, seed)).chunk_tiers == ("pool",) * 4
+        bits_equal(store.get(tiny.tokens(n, seed)), tiny.kv(n, seed))
