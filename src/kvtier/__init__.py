@@ -4,10 +4,10 @@ from kvtier.config import StoreConfig
 from kvtier.errors import KVTierError, TierUnavailableError
 from kvtier.keys import ChunkId, ChunkKey, Namespace
 from kvtier.layout import KVLayout
-from kvtier.store import LoadedChunk, LookupResult, PutResult, TieredStore
+from kvtier.store import LoadedChunk, LookupResult, PrefixLoad, PutResult, TieredStore
 
 __all__ = [
     "ChunkId", "ChunkKey", "KVLayout", "KVTierError", "LoadedChunk", "LookupResult", "Namespace",
-    "PutResult", "StoreConfig", "TieredStore", "TierUnavailableError",
+    "PrefixLoad", "PutResult", "StoreConfig", "TieredStore", "TierUnavailableError",
 ]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -73,6 +73,14 @@ class PutResult:
     """Chunks host DRAM already held (not copied again)."""
     dropped_writes: int
     """Chunks whose write-down was dropped because the background queue was full."""
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """What ``load_into`` delivered: the first ``num_chunks`` chunks, and from which tiers."""
+
+    num_chunks: int
+    chunk_tiers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,7 @@ class TieredStore:
         self._specs: dict[bytes, ChunkSpec] = {}
         self._spec_lock = threading.Lock()
         self._spec(self.namespace)  # describes the namespace in the disk and pool directories
-        self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 4 * config.io_threads)
+        self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
         self._writer = BackgroundWriter(config.write_queue_chunks, config.write_threads)
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
@@ -245,27 +253,85 @@ class TieredStore:
 
     # -- read -------------------------------------------------------------------------------
 
-    def get(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None) -> torch.Tensor:
+    def get(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """KV of ``tokens`` (a whole number of chunks) as ``[layers, 2, len, heads, head_dim]``.
 
+        ``out``: a tensor of exactly that shape and dtype to fill instead of allocating one
+        (large fresh allocations cost page faults that can dominate a fast read).
         Raises KeyError if any chunk is no longer cached (or failed validation), ValueError if
-        ``len(tokens)`` is not a multiple of ``chunk_tokens``.
+        ``len(tokens)`` is not a multiple of ``chunk_tokens`` or ``out`` does not fit.
         """
         n_tokens = len(as_token_array(tokens))
         if n_tokens % self.chunk_tokens:
             raise ValueError(f"get() takes whole chunks: {n_tokens} tokens is not a multiple of "
                              f"chunk_tokens={self.chunk_tokens}; pass tokens[:lookup(tokens).num_tokens]")
         ids = self.chunk_ids(tokens, extra=extra, tenant_salt=tenant_salt)
-        out = torch.empty(self.layout.shape(n_tokens), dtype=self.layout.dtype)
+        shape = self.layout.shape(n_tokens)
+        if out is None:
+            out = torch.empty(shape, dtype=self.layout.dtype)
+        elif tuple(out.shape) != shape or out.dtype != self.layout.dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {shape} {self.layout.dtype}")
         c = self.chunk_tokens
-        got = 0
-        for loaded in self.iter_chunks(ids, tenant_salt=tenant_salt):
-            out[:, :, loaded.index * c:(loaded.index + 1) * c].copy_(loaded.data)
-            got += 1
-        if got < len(ids):
-            raise KeyError(f"only {got} of {len(ids)} chunks are cached; call lookup() again and "
-                           "recompute the rest")
+        target = out
+
+        def sink(index: int, data: torch.Tensor) -> None:
+            target[:, :, index * c:(index + 1) * c].copy_(data)
+
+        loaded = self.load_into(ids, sink, tenant_salt=tenant_salt)
+        if loaded.num_chunks < len(ids):
+            raise KeyError(f"only {loaded.num_chunks} of {len(ids)} chunks are cached; call lookup() "
+                           "again and recompute the rest")
         return out
+
+    def load_into(self, ids: Sequence[ChunkId], sink: Callable[[int, torch.Tensor], None], *,
+                  tenant_salt: str | None = None) -> PrefixLoad:
+        """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading in parallel.
+
+        This is the fast path for callers that copy chunks somewhere (an output tensor, an
+        engine's paged KV blocks): disk and pool chunks are read and handed over by the I/O
+        threads themselves, so reads and copies of different chunks run at once. ``sink`` may
+        be called concurrently and in any order; ``data`` is valid only during the call.
+        Returns the number of leading chunks delivered; a chunk after the first failure may
+        have been handed over too and must be ignored.
+        """
+        self._check_open()
+        spec = self._spec(self._namespace(tenant_salt))
+        located = self._locate(ids)
+        futures = [None if tier is self.host else self._io.submit(self._deliver, i, ids[i], tier, spec, sink)
+                   for i, tier in enumerate(located)]
+        tiers: list[str] = []
+        try:
+            for i, (tier, fut) in enumerate(zip(located, futures, strict=True)):
+                if fut is None:
+                    name = self._deliver(i, ids[i], tier, spec, sink)
+                else:
+                    try:
+                        name = fut.result(timeout=self.config.read_timeout_s)
+                    except cf.TimeoutError:
+                        tier.metrics.add(timeouts=1)
+                        log.warning("read of chunk %d from %s exceeded read_timeout_s=%s; recomputing",
+                                    i, tier.name, self.config.read_timeout_s)
+                        break
+                if name is None:
+                    break
+                tiers.append(name)
+        finally:
+            for fut in futures[len(tiers):]:
+                if fut is not None:
+                    fut.cancel()
+        return PrefixLoad(len(tiers), tuple(tiers))
+
+    def _deliver(self, index: int, cid: ChunkId, first: Tier, spec: ChunkSpec,
+                 sink: Callable[[int, torch.Tensor], None]) -> str | None:
+        got = self._load(cid, first, spec)
+        if got is None:
+            return None
+        try:
+            sink(index, got.lease.chunk.data)
+        finally:
+            got.lease.release()
+        return got.tier
 
     def iter_chunks(self, ids: Sequence[ChunkId], *, tenant_salt: str | None = None) -> Iterator[LoadedChunk]:
         """Yield the cached prefix of ``ids`` in order, reading ahead in parallel.

@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="kvtier-demo-", dir=args.dir))
     err = Console(stderr=True)
     try:
-        with err.status("probing the temp directory (128 MiB, 2 repeats)"):
-            probe = run_probe(root, total_bytes=128 << 20, repeats=2)
+        with err.status("probing the temp directory (512 MiB, 2 repeats)"):
+            probe = run_probe(root, total_bytes=512 << 20, repeats=2)
         with err.status("store round trip: instance A writes a pool, instance B reads it"):
             trip = round_trip(root)
     finally:

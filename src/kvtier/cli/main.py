@@ -37,13 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "read bandwidth: serial vs parallel, buffered vs O_DIRECT, and kvtier's own read "
                     "path (TieredStore.get from a pool tier) on the same files. Medians over repeats.")
     probe.add_argument("path", help="directory to probe (a scratch subdirectory is created in it)")
-    probe.add_argument("--total", type=_size, default="256MiB", help="data to write and read (default 256MiB)")
+    probe.add_argument("--total", type=_size, default="1GiB", help="data to write and read (default 1GiB)")
     probe.add_argument("--threads", type=int, default=8, help="parallel readers and kvtier io_threads (default 8)")
     probe.add_argument("--repeats", type=int, default=3, help="repeats per mode; medians reported (default 3)")
     probe.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
-    probe.add_argument("--layers", type=int, default=4, help="model layers of the synthetic KV (default 4)")
-    probe.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    probe.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    probe.add_argument("--layers", type=int, default=32,
+                       help="layers of the synthetic KV (default 32: an 8B-class model, 32 MiB chunks)")
+    probe.add_argument("--kv-heads", type=int, default=8, help="KV heads per rank (default 8)")
+    probe.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    probe.add_argument("--session-chunks", type=int, default=8,
+                       help="chunks per session read by one TieredStore.get (default 8)")
     probe.add_argument("--json", action="store_true", help="print one JSON object")
 
     pool = sub.add_parser("pool", help="inspect and maintain a pool or disk-tier directory")

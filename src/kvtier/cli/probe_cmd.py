@@ -22,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("writing", total=1.0)
         result = run_probe(args.path, total_bytes=args.total, threads=args.threads, repeats=args.repeats,
                            layout=layout, chunk_tokens=args.chunk_tokens,
+                           session_chunks=args.session_chunks,
                            progress=lambda stage, frac: progress.update(task, description=stage, completed=frac))
     if args.json:
         emit_json(result.to_dict())

@@ -15,6 +15,7 @@ killed writer is never read (wrong suffix) and is removed by ``kvtier pool gc``.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ class ChunkFiles:
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = False,
                  direct_io: bool = True, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
         self.root = Path(root)
+        self._root_str = os.fspath(self.root)
         self.fsync = fsync
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
         self.file_mode = file_mode
@@ -86,13 +88,17 @@ class ChunkFiles:
         os.replace(tmp, path)
 
     def path_for(self, key: ChunkKey) -> Path:
+        return Path(self._path_str(key))
+
+    def _path_str(self, key: ChunkKey) -> str:
+        # Plain strings on the hot path: pathlib costs microseconds per join.
         h = key.hex()
-        return self.root / h[:2] / h[2:4] / f"{h}{SUFFIX}"
+        return f"{self._root_str}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
 
     def stat_size(self, key: ChunkKey) -> int | None:
         """File size, or None when the chunk is absent (or the directory is gone)."""
         try:
-            return os.stat(self.path_for(key)).st_size
+            return os.stat(self._path_str(key)).st_size
         except OSError:
             return None
 
@@ -138,22 +144,27 @@ class ChunkFiles:
 
         With ``direct_io``, a file the page cache holds whole is copied from it (a memcpy) and
         any other is read with O_DIRECT, so cold chunks bypass the cache (the host tier keeps
-        the copy that matters). Raises FileNotFoundError when absent, ChunkError when the
-        bytes are not this chunk, OSError for I/O faults.
+        the copy that matters). One open per read: the O_DIRECT flag is dropped with fcntl
+        when the file turns out warm. Raises FileNotFoundError when absent, ChunkError when
+        the bytes are not this chunk, OSError for I/O faults.
         """
-        path = self.path_for(cid.key)
-        fd = os.open(path, os.O_RDONLY)
+        path = self._path_str(cid.key)
+        fd = self._open_read(path)
         try:
             size = os.fstat(fd).st_size
             if size != spec.file_bytes:
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
-                raise ChunkError(fault, f"{path.name}: {size} B, expected {spec.file_bytes} B")
+                raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
             buf = aligned_buffer(size) if into is None else into
             view = memoryview(buf)
-            done = 0
-            if self.direct_io and (cached_bytes(fd) or 0) < size:
-                done = self._read_direct(path, view)
-            _read_all(fd, view, done)
+            direct = self.direct_io and (cached_bytes(fd) or 0) < size
+            if not direct and self.direct_io:
+                _set_direct(fd, False)
+            done = _read_all(fd, view, 0, stop_on_einval=direct)
+            if done < size:
+                # O_DIRECT accepted at open but refused at read (some FUSE and NFS setups).
+                _set_direct(fd, False)
+                _read_all(fd, view, done)
         finally:
             os.close(fd)
         spec.decode(view, cid)
@@ -161,24 +172,17 @@ class ChunkFiles:
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
         return Chunk(cid, data.view(dtype).view(spec.shape))
 
-    def _read_direct(self, path: Path, view: memoryview) -> int:
-        """O_DIRECT read into ``view``; returns how far it got (the caller finishes buffered)."""
-        try:
-            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except FileNotFoundError:
-            # Unlinked (evicted) since the caller opened it: its descriptor still reads the file.
-            return 0
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            # tmpfs and some network filesystems refuse O_DIRECT: stop asking.
-            log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
-            self.direct_io = False
-            return 0
-        try:
-            return _read_all(dfd, view, 0, stop_on_einval=True)
-        finally:
-            os.close(dfd)
+    def _open_read(self, path: str) -> int:
+        if self.direct_io:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # tmpfs and some network filesystems refuse O_DIRECT: stop asking.
+                log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
+                self.direct_io = False
+        return os.open(path, os.O_RDONLY)
 
     # -- namespaces ---------------------------------------------------------------------------
 
@@ -224,7 +228,7 @@ class ChunkFiles:
 
         mtime, not atime: atime is often off (noatime/relatime) on shared filesystems.
         """
-        path = self.path_for(key)
+        path = self._path_str(key)
         try:
             if time.time() - os.stat(path).st_mtime > older_than_s:
                 os.utime(path)
@@ -305,6 +309,11 @@ def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = F
             raise ChunkError(ChunkFault.TRUNCATED, f"short read: {done} of {len(view)} B")
         done += n
     return done
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
 
 
 def _unlink_quietly(path: Path) -> None:
