@@ -97,7 +97,7 @@ def test_size_strings(value, expected):
 
 @pytest.mark.parametrize("value", ["2XB", "-1", "-1GiB", "", "GiB", True, 1.5, None, [1]])
 def test_bad_sizes_name_the_setting(value):
-    with pytest.raises(ValueError, match="^disk_bytes: "):
+    with pytest.raises(ValueError, match=r"^disk_bytes: "):
         parse_bytes(value, "disk_bytes")
 
 
@@ -138,7 +138,7 @@ def test_bad_lmcache_gb_size_names_the_setting(value):
 
 
 def test_unknown_setting_is_named():
-    with pytest.raises(ValueError, match="unknown setting.*chunk_tokenz"):
+    with pytest.raises(ValueError, match=r"unknown setting.*chunk_tokenz"):
         load_settings({**BASE, "chunk_tokenz": 16}, environ=NO_ENV)
 
 

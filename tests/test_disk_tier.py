@@ -131,7 +131,7 @@ def test_restart_with_smaller_budget_evicts_oldest(open_disk, tiny, tmp_path):
         first.store(ch, tiny.spec())
     first.close()
     now = time.time()
-    for age, ch in zip((500, 400, 300, 200, 100), chunks):
+    for age, ch in zip((500, 400, 300, 200, 100), chunks, strict=False):
         os.utime(first.files.path_for(ch.id.key), (now - age, now - age))
     smaller = open_disk(2 * FILE + 100)
     assert smaller.keys() == [chunks[3].id.key, chunks[4].id.key]

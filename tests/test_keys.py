@@ -155,7 +155,7 @@ def test_changing_one_token_changes_its_chunk_and_all_later_keys(tiny):
     changed[20] += 1  # inside chunk 1
     a, b = chunk_ids(ns, tokens), chunk_ids(ns, changed)
     assert a[0] == b[0]
-    assert [x.key != y.key for x, y in zip(a, b)] == [False, True, True, True]
+    assert [x.key != y.key for x, y in zip(a, b, strict=False)] == [False, True, True, True]
     # Chunk 2's tokens are unchanged: its token digest matches, only the chain differs.
     assert a[2].tokens_digest == b[2].tokens_digest
 
@@ -204,5 +204,5 @@ def test_prefix_of_tokens_gives_prefix_of_ids(tiny, tokens, cut):
 def test_key_i_equal_iff_chunks_0_to_i_equal(tiny, a, b):
     ns = tiny.namespace(chunk_tokens=4)
     ids_a, ids_b = chunk_ids(ns, a), chunk_ids(ns, b)
-    for i, (x, y) in enumerate(zip(ids_a, ids_b)):
+    for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)):
         assert (x.key == y.key) == (a[: (i + 1) * 4] == b[: (i + 1) * 4])

@@ -7,7 +7,17 @@ from kvtier.layout import KVLayout
 from kvtier.store import LoadedChunk, LookupResult, PrefixLoad, PutResult, TieredStore
 
 __all__ = [
-    "ChunkId", "ChunkKey", "KVLayout", "KVTierError", "LoadedChunk", "LookupResult", "Namespace",
-    "PrefixLoad", "PutResult", "StoreConfig", "TieredStore", "TierUnavailableError",
+    "ChunkId",
+    "ChunkKey",
+    "KVLayout",
+    "KVTierError",
+    "LoadedChunk",
+    "LookupResult",
+    "Namespace",
+    "PrefixLoad",
+    "PutResult",
+    "StoreConfig",
+    "TierUnavailableError",
+    "TieredStore",
 ]
 __version__ = "0.1.0"

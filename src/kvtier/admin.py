@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.format import (PAYLOAD_OFFSET, ChunkError, ChunkFault, file_bytes_for, payload_checksum,
-                           unpack_header)
+import torch
+
+from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, file_bytes_for, payload_checksum, unpack_header
 from kvtier.keys import recompute_key
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.tiers.files import MARKER, ChunkFiles
 from kvtier.tiers.pool import PoolTier
-
-import torch
 
 
 def open_existing(path: str | os.PathLike[str]) -> ChunkFiles:

@@ -41,6 +41,9 @@ def parse_bytes(value: object, setting: str) -> int:
     return n
 
 
+WRITE_QUEUE_BYTES = 1 * GiB
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Every setting of a TieredStore. Units are in the names; see docs for each."""
@@ -58,7 +61,7 @@ class StoreConfig:
     tenant_salt: str = ""
     io_threads: int = 8
     write_threads: int = 1
-    write_queue_chunks: int = 256
+    write_queue_chunks: int | None = None
     read_timeout_s: float = 10.0
     fsync: bool = False
     direct_io: bool = True
@@ -71,7 +74,10 @@ class StoreConfig:
         _positive_int("chunk_tokens", self.chunk_tokens, "use a multiple of the engine's block size, e.g. 256")
         _positive_int("io_threads", self.io_threads, "e.g. 8")
         _positive_int("write_threads", self.write_threads, "e.g. 1")
-        _positive_int("write_queue_chunks", self.write_queue_chunks, "e.g. 256")
+        if self.write_queue_chunks is None:
+            # Bounded in bytes by default: a queued chunk pins its memory until written.
+            object.__setattr__(self, "write_queue_chunks", max(4, WRITE_QUEUE_BYTES // self.chunk_bytes))
+        _positive_int("write_queue_chunks", self.write_queue_chunks, "e.g. 256, or leave unset for 1 GiB worth")
         _positive_int("world_size", self.world_size, "the tensor/pipeline parallel size")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank: must be in [0, world_size={self.world_size}), got {self.rank!r}")

@@ -37,7 +37,6 @@ from kvtier.store import TieredStore
 from kvtier.tiers.base import aligned_buffer
 
 
-
 @dataclass
 class ProbeResult:
     path: str
@@ -89,7 +88,7 @@ class _Reader:
     def __call__(self, path: Path) -> int:
         buf = getattr(self._local, "buf", None)
         if buf is None:
-            buf = self._local.buf = memoryview(aligned_buffer(self.file_bytes))
+            buf = self._local.buf = aligned_buffer(self.file_bytes).data
         fd = os.open(path, self.flags)
         try:
             done = 0
@@ -142,9 +141,9 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
     n_chunks = max(session_chunks, total_bytes // chunk_bytes)
     n_sessions = max(1, n_chunks // session_chunks)
     rng = np.random.default_rng(0)
-    store_kwargs = dict(model_id="kvtier-probe", layout=layout, chunk_tokens=chunk_tokens, host_bytes=0,
-                        pool_url=f"fs://{root / 'pool'}", io_threads=threads,
-                        write_queue_chunks=n_sessions * session_chunks + 1)
+    store_kwargs = {"model_id": "kvtier-probe", "layout": layout, "chunk_tokens": chunk_tokens, "host_bytes": 0,
+                        "pool_url": f"fs://{root / 'pool'}", "io_threads": threads,
+                        "write_queue_chunks": n_sessions * session_chunks + 1}
     sessions = [rng.integers(0, 32000, session_chunks * chunk_tokens).astype(np.uint32)
                 for _ in range(n_sessions)]
     store = TieredStore.open(**store_kwargs)  # type: ignore[arg-type]
@@ -155,7 +154,7 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
         kv = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).view(layout.dtype).view(shape)
         t0 = time.perf_counter()
         for i, tokens in enumerate(sessions):
-            kv.view(torch.uint8).view(-1)[:8] = i  # distinct payloads, cheap
+            kv.view(torch.uint8).view(-1)[:8] = torch.frombuffer(bytearray(i.to_bytes(8, "little")), dtype=torch.uint8)
             store.put(tokens, kv)
             store.flush()  # bounds memory: the queue would otherwise hold every chunk
             report("write", (i + 1) / n_sessions / 2)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from prometheus_client.registry import CollectorRegistry
 
-from kvtier.config import StoreConfig, load_settings
+from kvtier.config import StoreConfig, load_settings, parse_bytes
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
@@ -145,7 +145,7 @@ class TieredStore:
         self._spec_lock = threading.Lock()
         self._spec(self.namespace)  # describes the namespace in the disk and pool directories
         self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
-        self._writer = BackgroundWriter(config.write_queue_chunks, config.write_threads)
+        self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads)
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.registry: CollectorRegistry = new_registry(
@@ -179,9 +179,11 @@ class TieredStore:
              pool_bytes: int | str | None = None, **options: Any) -> TieredStore:
         """Open a store; ``options`` are the other StoreConfig fields (io_threads, fsync, ...)."""
         config = StoreConfig(model_id=model_id, layout=layout, chunk_tokens=chunk_tokens,
-                             host_bytes=host_bytes, disk_path=None if disk_path is None else os.fspath(disk_path),
-                             disk_bytes=disk_bytes, pool_url=pool_url, pool_bytes=pool_bytes,
-                             **options)  # type: ignore[arg-type]
+                             host_bytes=parse_bytes(host_bytes, "host_bytes"),
+                             disk_path=None if disk_path is None else os.fspath(disk_path),
+                             disk_bytes=parse_bytes(disk_bytes, "disk_bytes"), pool_url=pool_url,
+                             pool_bytes=None if pool_bytes is None else parse_bytes(pool_bytes, "pool_bytes"),
+                             **options)
         return cls(config)
 
     @classmethod

@@ -30,8 +30,8 @@ def round_trip(root: Path) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     sessions = [rng.integers(0, 32000, SESSION_TOKENS).astype(np.uint32) for _ in range(SESSIONS)]
     kvs = [torch.randn(layout.shape(SESSION_TOKENS)).to(torch.bfloat16) for _ in range(SESSIONS)]
-    common = dict(model_id="demo-tiny-llama", layout=layout, chunk_tokens=256,
-                  pool_url=f"fs://{root / 'pool'}", pool_bytes=1 << 30)
+    common = {"model_id": "demo-tiny-llama", "layout": layout, "chunk_tokens": 256,
+                  "pool_url": f"fs://{root / 'pool'}", "pool_bytes": 1 << 30}
     t0 = time.perf_counter()
     with TieredStore.open(host_bytes=64 << 20, disk_path=root / "disk-a", **common) as a:  # type: ignore[arg-type]
         for tokens, kv in zip(sessions, kvs, strict=True):

@@ -37,7 +37,7 @@ class Chunk:
 
     def payload(self) -> memoryview:
         """The raw bytes of ``data`` (no copy)."""
-        return memoryview(self.data.reshape(-1).view(torch.uint8).numpy())
+        return self.data.reshape(-1).view(torch.uint8).numpy().data
 
 
 class Status(enum.Enum):

@@ -156,7 +156,7 @@ class ChunkFiles:
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
             buf = aligned_buffer(size) if into is None else into
-            view = memoryview(buf)
+            view = buf.data
             direct = self.direct_io and (cached_bytes(fd) or 0) < size
             if not direct and self.direct_io:
                 _set_direct(fd, False)

@@ -28,7 +28,7 @@ from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, aligned_bu
 class Lease:
     """A pinned chunk: its memory is not reused until ``release`` (idempotent)."""
 
-    __slots__ = ("chunk", "_release", "_done")
+    __slots__ = ("_done", "_release", "chunk")
 
     def __init__(self, chunk: Chunk, release: Callable[[], None] | None = None) -> None:
         self.chunk = chunk

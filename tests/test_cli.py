@@ -1,0 +1,130 @@
+"""The `kvtier` command: probe, pool stats / verify / gc, demo's round trip; --json contracts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.cli.demo_cmd import round_trip
+from kvtier.cli.main import main
+
+PROBE_KEYS = {"file_bytes", "serial_gbps", "parallel_gbps", "best_raw_gbps", "kvtier_read_gbps"}
+TINY_PROBE = ["--total", "4MiB", "--repeats", "1", "--threads", "2", "--layers", "2", "--kv-heads", "2",
+              "--head-dim", "8", "--chunk-tokens", "16", "--session-chunks", "4"]
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    code = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def fill_pool(make_store: Any, tiny: Any, pool: Path, sessions: int = 3, chunks: int = 4) -> None:
+    store = make_store(host_bytes=0, pool_url=f"fs://{pool}")
+    for s in range(sessions):
+        store.put(tiny.tokens(chunks * tiny.chunk_tokens, seed=s), tiny.kv(chunks * tiny.chunk_tokens, seed=s))
+    store.close()
+
+
+def test_probe_json_has_the_contract_keys_and_cleans_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run_json(capsys, "probe", str(tmp_path), *TINY_PROBE)
+    assert code == 0
+    assert PROBE_KEYS <= out.keys()
+    assert out["file_bytes"] == 4096 + 4096  # header page + 2048 B payload padded to 4096
+    assert out["files"] * out["file_bytes"] == out["total_bytes"]
+    assert all(out[k] > 0 for k in PROBE_KEYS - {"file_bytes"})
+    assert out["best_raw_gbps"] == max(v for k, v in out.items() if k in {
+        "serial_gbps", "parallel_gbps", "direct_serial_gbps", "direct_parallel_gbps"} and v is not None)
+    assert list(tmp_path.iterdir()) == []  # scratch directory removed
+
+
+def test_probe_of_a_missing_parent_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out = run_json(capsys, "probe", str(blocker / "sub"), *TINY_PROBE)
+    assert code == 2
+    assert "error" in out
+
+
+def test_pool_stats_counts_chunks_bytes_and_names_the_model(
+        tmp_path: Path, make_store: Any, tiny: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    fill_pool(make_store, tiny, tmp_path / "pool")
+    code, out = run_json(capsys, "pool", "stats", str(tmp_path / "pool"))
+    assert code == 0
+    assert out["chunks"] == 12
+    assert out["bytes"] == 12 * tiny.file_bytes
+    assert out["temp_files"] == 0
+    (ns,) = out["namespaces"].values()
+    assert ns["chunks"] == 12 and ns["model_id"] == tiny.model_id and ns["chunk_tokens"] == tiny.chunk_tokens
+
+
+def test_pool_verify_finds_and_fixes_exactly_the_bad_chunks(
+        tmp_path: Path, make_store: Any, tiny: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pool = tmp_path / "pool"
+    fill_pool(make_store, tiny, pool)
+    files = sorted(pool.glob("??/??/*.kvt"))
+    flipped, truncated, swapped = files[0], files[1], files[2]
+    data = bytearray(flipped.read_bytes())
+    data[5000] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    swapped.write_bytes(files[3].read_bytes())  # a valid chunk under another chunk's name
+    code, out = run_json(capsys, "pool", "verify", str(pool))
+    assert code == 1
+    assert out["checked"] == 12 and out["ok"] == 9
+    assert {(Path(b["path"]).name, b["fault"]) for b in out["bad"]} == {
+        (flipped.name, "payload_checksum"), (truncated.name, "truncated"), (swapped.name, "identity")}
+    code, out = run_json(capsys, "pool", "verify", "--fix", str(pool))
+    assert code == 0 and out["removed"] == 3
+    code, out = run_json(capsys, "pool", "verify", str(pool))
+    assert code == 0 and out["checked"] == 9 and out["bad"] == []
+
+
+def test_pool_gc_evicts_oldest_down_to_budget_and_stale_temps(
+        tmp_path: Path, make_store: Any, tiny: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pool = tmp_path / "pool"
+    fill_pool(make_store, tiny, pool)
+    files = sorted(pool.glob("??/??/*.kvt"))
+    for age, f in enumerate(files):
+        os.utime(f, (1_000_000 + age, 1_000_000 + age))  # files[0] oldest
+    stale = files[0].with_name(files[0].name + ".123.abc.tmp")
+    stale.write_bytes(b"partial")
+    os.utime(stale, (1, 1))
+    fresh = files[1].with_name(files[1].name + ".124.abd.tmp")
+    fresh.write_bytes(b"in progress")
+    code, out = run_json(capsys, "pool", "gc", str(pool), "--max-bytes", str(5 * tiny.file_bytes))
+    assert code == 0
+    assert out["evicted_chunks"] == 7 and out["bytes_after"] == 5 * tiny.file_bytes
+    assert out["removed_temp_files"] == 1
+    assert sorted(pool.glob("??/??/*.kvt")) == sorted(files[7:])
+    assert fresh.exists() and not stale.exists()
+
+
+def test_pool_commands_refuse_a_directory_that_is_not_a_pool(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for action in (["stats"], ["verify"], ["gc", "--max-bytes", "1GiB"]):
+        code, out = run_json(capsys, "pool", action[0], str(tmp_path), *action[1:])
+        assert code == 2
+        assert "not a kvtier pool" in out["error"]
+
+
+def test_demo_round_trip_reads_back_identical_kv_from_the_pool(tmp_path: Path) -> None:
+    trip = round_trip(tmp_path)
+    assert trip["identical"] is True
+    assert trip["hit_tokens"] == trip["sessions"] * 4096
+    assert trip["hit_tokens_by_tier"] == {"pool": trip["sessions"] * 4096}
+    assert trip["second_lookup_tiers"] == {"host": 4096}
+    assert trip["pool_corrupt_chunks"] == 0
+
+
+def test_help_lists_every_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for command in ("probe", "pool", "demo"):
+        assert command in out
