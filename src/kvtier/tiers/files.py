@@ -237,36 +237,34 @@ class ChunkFiles:
 
     def scan(self) -> Iterator[ChunkFile]:
         """Every published chunk file (never temp files), in directory order."""
-        for shard in _subdirs(self.root):
-            for sub in _subdirs(shard):
-                try:
-                    entries = list(os.scandir(sub))
-                except OSError:
-                    continue
-                for entry in entries:
-                    if not entry.name.endswith(SUFFIX):
-                        continue
-                    try:
-                        key = ChunkKey(bytes.fromhex(entry.name[: -len(SUFFIX)]))
-                        st = entry.stat()
-                    except (ValueError, OSError):
-                        continue
-                    yield ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime)
+        for entry in self._entries():
+            if not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                key = ChunkKey(bytes.fromhex(entry.name[: -len(SUFFIX)]))
+                st = entry.stat()
+            except (ValueError, OSError):
+                continue  # a stray name, or removed since the listing
+            yield ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime)
 
     def temp_files(self) -> Iterator[tuple[Path, float]]:
         """Temp files (writes in progress or left by crashed writers) and their mtimes."""
+        for entry in self._entries():
+            if entry.name.endswith(TMP_SUFFIX):
+                try:
+                    yield Path(entry.path), entry.stat().st_mtime
+                except OSError:
+                    continue
+
+    def _entries(self) -> Iterator[os.DirEntry[str]]:
+        """Entries of every shard directory ``ROOT/ab/cd``; vanished directories are skipped."""
         for shard in _subdirs(self.root):
             for sub in _subdirs(shard):
                 try:
                     entries = list(os.scandir(sub))
                 except OSError:
                     continue
-                for entry in entries:
-                    if entry.name.endswith(TMP_SUFFIX):
-                        try:
-                            yield Path(entry.path), entry.stat().st_mtime
-                        except OSError:
-                            continue
+                yield from entries
 
 
 def _subdirs(path: Path) -> Iterator[Path]:
