@@ -3,6 +3,8 @@
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The Redis tier's tests start their own redis-server (never the system service); runs as root in CI.
+command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 VENV=${KVTIER_TEST_VENV:-.venv-test}
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"

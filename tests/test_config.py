@@ -149,7 +149,7 @@ def test_missing_layout_is_named():
 
 @pytest.mark.parametrize(("change", "setting"), [
     ({"chunk_tokens": 0}, "chunk_tokens"), ({"model_id": ""}, "model_id"), ({"dtype": "int4"}, "dtype"),
-    ({"num_layers": -1}, "num_layers"), ({"pool_url": "redis://x"}, "pool_url"),
+    ({"num_layers": -1}, "num_layers"), ({"pool_url": "s3://x"}, "pool_url"),
     ({"rank": 1}, "rank"), ({"read_timeout_s": -1}, "read_timeout_s"),
     ({"disk_path": "/d", "disk_bytes": "0"}, "disk_bytes"),
 ])

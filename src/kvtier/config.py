@@ -8,6 +8,7 @@ LMCache-style names are accepted as aliases (``chunk_size``, ``max_local_cpu_siz
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -65,6 +66,13 @@ class StoreConfig:
     read_timeout_s: float = 10.0
     fsync: bool = False
     direct_io: bool = True
+    redis_ttl_s: float | None = None
+    redis_timeout_s: float = 1.0
+    redis_cluster: bool = False
+    redis_prefix: str = "kvtier:v1:"
+    redis_username: str | None = None
+    redis_password: str | None = None
+    redis_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -92,14 +100,40 @@ class StoreConfig:
             raise ValueError(f"read_timeout_s: must be > 0 seconds, got {self.read_timeout_s!r}")
         if self.pool_url is not None:
             from kvtier.tiers.pool import parse_pool_url
+            from kvtier.tiers.redis import is_redis_url, parse_redis_url
 
-            parse_pool_url(self.pool_url)
+            if is_redis_url(self.pool_url):
+                _check_redis(self)
+                if parse_redis_url(self.pool_url).db and self.redis_cluster:
+                    raise ValueError("pool_url: Redis Cluster has database 0 only; drop the /db part")
+            else:
+                parse_pool_url(self.pool_url)
         if self.disk_path is not None and not str(self.disk_path):
             raise ValueError("disk_path: empty; give a directory or leave it unset")
 
     @property
     def chunk_bytes(self) -> int:
         return self.chunk_tokens * self.layout.bytes_per_token
+
+
+def _check_redis(c: StoreConfig) -> None:
+    if c.pool_bytes is not None:
+        raise ValueError("pool_bytes: not used with a Redis pool_url; the server's maxmemory is the "
+                         "budget (set maxmemory-policy allkeys-lru); leave pool_bytes unset")
+    if not isinstance(c.redis_timeout_s, (int, float)) or isinstance(c.redis_timeout_s, bool) \
+            or c.redis_timeout_s <= 0:
+        raise ValueError(f"redis_timeout_s: must be > 0 seconds, got {c.redis_timeout_s!r}")
+    if c.redis_ttl_s is not None and (not isinstance(c.redis_ttl_s, (int, float))
+                                      or isinstance(c.redis_ttl_s, bool) or c.redis_ttl_s <= 0):
+        raise ValueError(f"redis_ttl_s: must be > 0 seconds or unset (no expiry), got {c.redis_ttl_s!r}")
+    if not isinstance(c.redis_cluster, bool):
+        raise ValueError(f"redis_cluster: expected true/false, got {c.redis_cluster!r}")
+    if not isinstance(c.redis_prefix, str) or not c.redis_prefix:
+        raise ValueError(f"redis_prefix: must be a non-empty string such as 'kvtier:v1:', "
+                         f"got {c.redis_prefix!r}")
+    if c.redis_options is not None and not isinstance(c.redis_options, Mapping):
+        raise ValueError(f"redis_options: expected a mapping of redis-py options such as "
+                         f"{{ssl_ca_certs: /path/ca.pem}}, got {c.redis_options!r}")
 
 
 def _positive_int(name: str, value: object, hint: str) -> None:
@@ -119,11 +153,20 @@ _GB_ALIASES = {"max_local_cpu_size": "host_bytes", "max_local_disk_size": "disk_
 _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 _INT_KEYS = {"chunk_tokens", "rank", "world_size", "io_threads", "write_threads", "write_queue_chunks",
              "num_layers", "num_kv_heads", "head_dim"}
-_BOOL_KEYS = {"fsync", "direct_io"}
-_FLOAT_KEYS = {"read_timeout_s"}
+_BOOL_KEYS = {"fsync", "direct_io", "redis_cluster"}
+_FLOAT_KEYS = {"read_timeout_s", "redis_timeout_s", "redis_ttl_s"}
+_NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
+                  "redis_options"}
 
 
 def _coerce_env(name: str, raw: str) -> object:
+    if raw.lower() in ("", "none", "null") and name in _NULLABLE_KEYS:
+        return None
+    if name == "redis_options":
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ValueError(f"KVTIER_REDIS_OPTIONS: expected a JSON object, got {raw!r}") from None
     if name in _INT_KEYS:
         try:
             return int(raw)
@@ -140,8 +183,6 @@ def _coerce_env(name: str, raw: str) -> object:
         if raw.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"KVTIER_{name.upper()}: expected true/false, got {raw!r}")
-    if raw.lower() in ("", "none", "null") and name in ("disk_path", "pool_url", "pool_bytes"):
-        return None
     return raw
 
 

@@ -41,6 +41,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.host import HostTier, Lease
 from kvtier.tiers.pool import PoolTier, parse_pool_url
+from kvtier.tiers.redis import is_redis_url
 from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,14 @@ class TieredStore:
             if config.disk_path is not None:
                 tiers.append(DiskTier(config.disk_path, config.disk_bytes, fsync=config.fsync,
                                       direct_io=config.direct_io))
-            if config.pool_url is not None:
+            if config.pool_url is not None and is_redis_url(config.pool_url):
+                from kvtier.tiers.redis import RedisTier  # imports redis-py: optional
+
+                tiers.append(RedisTier(config.pool_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
+                                       timeout_s=config.redis_timeout_s, cluster=config.redis_cluster,
+                                       username=config.redis_username, password=config.redis_password,
+                                       options=config.redis_options))
+            elif config.pool_url is not None:
                 tiers.append(PoolTier(parse_pool_url(config.pool_url), config.pool_bytes,
                                       fsync=config.fsync, direct_io=config.direct_io))
         except BaseException:
@@ -232,10 +240,14 @@ class TieredStore:
         Only public lookups count in the metrics, so a lookup-then-get counts once.
         """
         located: list[Tier] = []
+        missed_at: dict[int, int] = {}  # tier index -> position of its first miss
         pos = 0
         while pos < len(ids):
             for rank, tier in enumerate(self.tiers):
+                if missed_at.get(rank) == pos:
+                    continue  # it just said it lacks this chunk: no second round trip
                 count = tier.lookup(ids[pos:])
+                missed_at[rank] = pos + count
                 if count_metrics:
                     tier.metrics.add(lookups=1, lookup_tokens=(len(ids) - pos) * self.chunk_tokens)
                 if count:

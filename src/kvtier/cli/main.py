@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write chunk files under PATH (removed afterwards) and measure cold and page-cache "
                     "read bandwidth: serial vs parallel, buffered vs O_DIRECT, and kvtier's own read "
                     "path (TieredStore.get from a pool tier) on the same files. Medians over repeats.")
-    probe.add_argument("path", help="directory to probe (a scratch subdirectory is created in it)")
+    probe.add_argument("path", help="directory to probe (a scratch subdirectory is created in it), or a "
+                                    "redis://, rediss:// or valkey:// server URL (scratch keys, removed after)")
     probe.add_argument("--total", type=_size, default="1GiB", help="data to write and read (default 1GiB)")
     probe.add_argument("--threads", type=int, default=8, help="parallel readers and kvtier io_threads (default 8)")
     probe.add_argument("--repeats", type=int, default=3, help="repeats per mode; medians reported (default 3)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -12,22 +14,28 @@ from rich.table import Table
 from kvtier.cli.main import emit_json
 from kvtier.layout import KVLayout
 from kvtier.probe import ProbeResult, run_probe
+from kvtier.tiers.redis import is_redis_url
 
 
 def run(args: argparse.Namespace) -> int:
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, torch.bfloat16)
     err = Console(stderr=True)
+    probe: Callable[..., Any] = run_probe
+    table: Callable[[Any], Table] = probe_table
+    if is_redis_url(args.path):
+        from kvtier.probe_redis import redis_probe_table as table
+        from kvtier.probe_redis import run_redis_probe as probe
     with Progress(TextColumn("[bold]probe[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
         task = progress.add_task("writing", total=1.0)
-        result = run_probe(args.path, total_bytes=args.total, threads=args.threads, repeats=args.repeats,
-                           layout=layout, chunk_tokens=args.chunk_tokens,
-                           session_chunks=args.session_chunks,
-                           progress=lambda stage, frac: progress.update(task, description=stage, completed=frac))
+        result = probe(args.path, total_bytes=args.total, threads=args.threads, repeats=args.repeats,
+                       layout=layout, chunk_tokens=args.chunk_tokens,
+                       session_chunks=args.session_chunks,
+                       progress=lambda stage, frac: progress.update(task, description=stage, completed=frac))
     if args.json:
         emit_json(result.to_dict())
     else:
-        Console().print(probe_table(result))
+        Console().print(table(result))
     return 0
 
 

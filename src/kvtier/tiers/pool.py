@@ -47,7 +47,8 @@ def parse_pool_url(url: str) -> str:
         path = url[len("fs://"):]
     elif "://" in url:
         scheme = url.split("://", 1)[0]
-        raise ValueError(f"pool_url scheme {scheme!r} is not supported; use fs:///path/to/pool")
+        raise ValueError(f"pool_url scheme {scheme!r} is not supported; use fs:///path/to/pool or "
+                         "redis://host:6379/0 (also rediss://, valkey://)")
     else:
         path = url
     if not path:
