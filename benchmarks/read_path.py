@@ -32,7 +32,7 @@ import torch
 
 from kvtier import KVLayout, StoreConfig, TieredStore
 from kvtier.config import parse_bytes
-from kvtier.probe import run_probe
+from kvtier.probe import DEFAULT_LAYOUT, run_probe
 from kvtier.tiers.faulty import FaultyTier
 from kvtier.tiers.pool import PoolTier
 
@@ -40,6 +40,9 @@ FIELDS = ("serial_gbps", "parallel_gbps", "direct_serial_gbps", "direct_parallel
           "kvtier_cold_serial_gbps", "kvtier_read_gbps", "kvtier_vs_best_raw", "cache_serial_gbps",
           "cache_parallel_gbps", "cache_parallel_speedup", "kvtier_cache_serial_gbps", "kvtier_cache_gbps",
           "kvtier_cache_parallel_speedup", "write_gbps")
+
+
+TINY_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 
 
 def memcpy_scaling(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
@@ -67,7 +70,7 @@ def memcpy_scaling(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float
 
 def latency_bound(path: str, latency_s: float, threads: int, chunks: int = 64) -> dict[str, float]:
     """kvtier get from a pool whose every chunk read takes ``latency_s`` longer."""
-    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    layout = TINY_LAYOUT
     root = Path(tempfile.mkdtemp(prefix="kvtier-latency-", dir=path))
     try:
         tokens = np.random.default_rng(1).integers(0, 32000, chunks * 256).astype(np.uint32)
@@ -96,12 +99,16 @@ def main() -> int:
     ap.add_argument("--total", default="512MiB")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--latency-ms", type=float, default=2.0)
+    ap.add_argument("--layout", choices=("8b", "tiny"), default="8b",
+                    help="8b: 32 layers x 8 KV heads x 128 (32 MiB chunks); tiny: the 4-layer test model (512 KiB)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    layout = DEFAULT_LAYOUT if args.layout == "8b" else TINY_LAYOUT
+    session_chunks = 8 if args.layout == "8b" else 32
     runs = []
     for i in range(args.runs):
         r = run_probe(args.path, total_bytes=parse_bytes(args.total, "--total"), threads=args.threads,
-                      repeats=args.repeats).to_dict()
+                      repeats=args.repeats, layout=layout, session_chunks=session_chunks).to_dict()
         runs.append(r)
         print(f"run {i + 1}/{args.runs}: kvtier cold {r['kvtier_read_gbps']:.2f} GB/s = "
               f"{r['kvtier_vs_best_raw']:.0%} of best raw {r['best_raw_gbps']:.2f}; page cache kvtier "
@@ -120,6 +127,7 @@ def main() -> int:
             "raw_page_cache_parallel_vs_serial >= 1.8": med["cache_parallel_speedup"] >= 1.8,
             "kvtier_latency_bound_parallel_vs_serial >= 1.8": side["latency_parallel_speedup"] >= 1.8,
         },
+        "layout": args.layout, "session_chunks": session_chunks,
         "file_bytes": runs[0]["file_bytes"], "files": runs[0]["files"], "threads": args.threads,
         "runs": runs,
     }

@@ -287,10 +287,16 @@ class TieredStore:
         elif tuple(out.shape) != shape or out.dtype != self.layout.dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; expected {shape} {self.layout.dtype}")
         c = self.chunk_tokens
-        target = out
+        # The I/O threads copy with numpy (byte views): a single-threaded memcpy per call.
+        # torch's copy_ would start OpenMP teams from every I/O thread at once, which
+        # oversubscribes the cores the reads need (measured: 0.86 -> 0.91 of the raw device).
+        target = out.view(torch.uint8).numpy() if out.device.type == "cpu" else None
 
         def sink(index: int, data: torch.Tensor) -> None:
-            target[:, :, index * c:(index + 1) * c].copy_(data)
+            if target is None:
+                out[:, :, index * c:(index + 1) * c].copy_(data)
+            else:
+                np.copyto(target[:, :, index * c:(index + 1) * c], data.view(torch.uint8).numpy())
 
         loaded = self.load_into(ids, sink, tenant_salt=tenant_salt)
         if loaded.num_chunks < len(ids):
