@@ -12,14 +12,13 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvtier.errors import TierUnavailableError
-from kvtier.format import ChunkError, ChunkSpec
+from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
@@ -74,28 +73,14 @@ class DiskTier:
         with self._lock:
             if chunk.key not in self._index:
                 return LoadResult(Status.MISS)
-        t0 = time.perf_counter()
-        try:
-            got = self.files.read(chunk, spec, into)
-        except FileNotFoundError:
-            # Deleted behind our back (an operator, a full-disk cleanup): forget it.
-            self._forget(chunk.key)
-            self.metrics.add(read_races=1)
-            return LoadResult(Status.MISS)
-        except ChunkError as exc:
-            self._forget(chunk.key)
-            self.files.remove(chunk.key)
-            self.metrics.add(corrupt_chunks=1)
-            return LoadResult(Status.CORRUPT, error=str(exc))
-        except OSError as exc:
-            self.metrics.add(failed_reads=1)
-            return LoadResult(Status.ERROR, error=str(exc))
-        self.metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
+        result = self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S)
         with self._lock:
-            if chunk.key in self._index:
+            if result.ok and chunk.key in self._index:
                 self._index.move_to_end(chunk.key)
-        self.files.touch(chunk.key, TOUCH_INTERVAL_S)
-        return LoadResult(Status.HIT, got)
+        if result.status in (Status.MISS, Status.CORRUPT):
+            # Deleted behind our back (an operator, a full-disk cleanup) or removed as bad.
+            self._forget(chunk.key)
+        return result
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         with self._lock:

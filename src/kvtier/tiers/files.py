@@ -31,7 +31,8 @@ import torch
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
-from kvtier.tiers.base import Chunk, aligned_buffer
+from kvtier.metrics import TierMetrics
+from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
 from kvtier.tiers.pagecache import cached_bytes
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,31 @@ class ChunkFiles:
         dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
         return Chunk(cid, data.view(dtype).view(spec.shape))
+
+    def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
+             touch_interval_s: float) -> LoadResult:
+        """``read`` as a tier's load: every fault becomes a counted result, never an exception.
+
+        A vanished file is a miss (``read_races``); a chunk that fails validation is removed,
+        so the next lookup stops before it, and counted (``corrupt_chunks``); other I/O errors
+        are ``failed_reads``. A hit refreshes the file's mtime (the LRU clock).
+        """
+        t0 = time.perf_counter()
+        try:
+            got = self.read(cid, spec, into)
+        except FileNotFoundError:
+            metrics.add(read_races=1)
+            return LoadResult(Status.MISS)
+        except ChunkError as exc:
+            self.remove(cid.key)
+            metrics.add(corrupt_chunks=1)
+            return LoadResult(Status.CORRUPT, error=str(exc))
+        except OSError as exc:
+            metrics.add(failed_reads=1)
+            return LoadResult(Status.ERROR, error=str(exc))
+        metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
+        self.touch(cid.key, touch_interval_s)
+        return LoadResult(Status.HIT, got)
 
     def _open_read(self, path: str) -> int:
         if self.direct_io:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvtier.format import ChunkError, ChunkSpec
+from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
@@ -82,23 +82,8 @@ class PoolTier:
         return n
 
     def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
-        t0 = time.perf_counter()
-        try:
-            got = self.files.read(chunk, spec, into)
-        except FileNotFoundError:
-            self.metrics.add(read_races=1)
-            return LoadResult(Status.MISS)
-        except ChunkError as exc:
-            # Useless to every instance: remove it so the next lookup stops before it.
-            self.files.remove(chunk.key)
-            self.metrics.add(corrupt_chunks=1)
-            return LoadResult(Status.CORRUPT, error=str(exc))
-        except OSError as exc:
-            self.metrics.add(failed_reads=1)
-            return LoadResult(Status.ERROR, error=str(exc))
-        self.metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
-        self.files.touch(chunk.key, TOUCH_INTERVAL_S)
-        return LoadResult(Status.HIT, got)
+        # A corrupt chunk is useless to every instance: load removes it for all of them.
+        return self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S)
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         try:
