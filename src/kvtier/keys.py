@@ -47,6 +47,9 @@ class Namespace:
     world_size: int = 1
     tenant_salt: str = ""
     format_version: int = FORMAT_VERSION
+    kv_format: str = "kvtier"
+    """How the payload bytes are laid out: ``kvtier`` (the canonical ``[layers, 2, tokens,
+    heads, head_dim]``) or an engine's own paged format (e.g. ``vllm-cpu-vec-bs128``)."""
 
     def describe(self) -> dict[str, object]:
         """Canonical, human-readable fields (written beside pool data for `pool stats`)."""
@@ -57,6 +60,7 @@ class Namespace:
             "chunk_tokens": self.chunk_tokens,
             "rank": self.rank,
             "world_size": self.world_size,
+            "kv_format": self.kv_format,
             # The salt itself is a secret of the tenant: only its digest is described.
             "tenant": blake3(self.tenant_salt.encode()).hexdigest()[:16] if self.tenant_salt else "",
         }
@@ -69,7 +73,7 @@ class Namespace:
 
     def with_salt(self, tenant_salt: str) -> Namespace:
         return Namespace(self.model_id, self.layout, self.chunk_tokens, self.rank,
-                         self.world_size, tenant_salt, self.format_version)
+                         self.world_size, tenant_salt, self.format_version, self.kv_format)
 
 
 @dataclass(frozen=True)

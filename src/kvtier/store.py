@@ -137,8 +137,8 @@ class TieredStore:
         self.config = config
         self.layout: KVLayout = config.layout
         self.chunk_tokens = config.chunk_tokens
-        self.namespace = Namespace(config.model_id, config.layout, config.chunk_tokens,
-                                   config.rank, config.world_size, config.tenant_salt)
+        self.namespace = Namespace(config.model_id, config.layout, config.chunk_tokens, config.rank,
+                                   config.world_size, config.tenant_salt, kv_format=config.kv_format)
         self.tiers: list[Tier] = list(tiers) if tiers is not None else self._open_tiers(config)
         self.host: HostTier | None = next((t for t in self.tiers if isinstance(t, HostTier)), None)
         self.store_metrics = TierMetrics("store")
@@ -441,27 +441,43 @@ class TieredStore:
         spec = self._spec(namespace)
         ids = chunk_ids(namespace, tokens, extra)
         self._check_kv(kv, len(ids) * self.chunk_tokens)
-        lower = [t for t in self.tiers if t is not self.host]
-        stored = present = dropped = 0
         c = self.chunk_tokens
+        total = PutResult(0, 0, 0)
         for i, cid in enumerate(ids):
-            src = kv[:, :, i * c:(i + 1) * c]
-            lease: Lease | None = None
-            if self.host is not None:
-                existing = self.host.acquire(cid)
-                if existing is not None:
-                    existing.release()
-                    present += 1
-                    continue
-                lease = self.host.put(cid, src)
-            if lease is None:  # no host tier, or every slot pinned by in-flight work
-                data = torch.empty(self.layout.shape(c), dtype=self.layout.dtype)
-                data.copy_(src)
-                lease = Lease(Chunk(cid, data))
-            stored += 1
-            if not self._write_down(lease, spec, lower):
-                dropped += 1
-        return PutResult(stored, present, dropped)
+            one = self._put_chunk(cid, kv[:, :, i * c:(i + 1) * c], spec)
+            total = PutResult(total.stored_chunks + one.stored_chunks, total.present_chunks + one.present_chunks,
+                              total.dropped_writes + one.dropped_writes)
+        return total
+
+    def put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None], *,
+                  tenant_salt: str | None = None) -> PutResult:
+        """Store one chunk whose identity the caller computed (``chunk_ids``).
+
+        ``data`` is the chunk (``[layers, 2, chunk_tokens, heads, head_dim]``, any device) or a
+        function that fills the store's own buffer of that shape: engine integrations gather
+        their paged KV straight into host DRAM that way, with no intermediate copy.
+        """
+        self._check_open()
+        return self._put_chunk(cid, data, self._spec(self._namespace(tenant_salt)))
+
+    def _put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None],
+                   spec: ChunkSpec) -> PutResult:
+        lease: Lease | None = None
+        if self.host is not None:
+            existing = self.host.acquire(cid)
+            if existing is not None:
+                existing.release()
+                return PutResult(0, 1, 0)
+            lease = self.host.put(cid, data)
+        if lease is None:  # no host tier, or every slot pinned by in-flight work
+            buf = torch.empty(self.layout.shape(self.chunk_tokens), dtype=self.layout.dtype)
+            if callable(data):
+                data(buf)
+            else:
+                buf.copy_(data)
+            lease = Lease(Chunk(cid, buf))
+        lower = [t for t in self.tiers if t is not self.host]
+        return PutResult(1, 0, 0 if self._write_down(lease, spec, lower) else 1)
 
     def _write_down(self, lease: Lease, spec: ChunkSpec, tiers: Sequence[Tier]) -> bool:
         """Queue a pinned chunk for ``tiers``; the pin is released once written or dropped."""

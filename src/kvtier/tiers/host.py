@@ -177,15 +177,26 @@ class HostTier:
         lease.release()
         return StoreResult(Status.WRITTEN)
 
-    def put(self, cid: ChunkId, data: torch.Tensor) -> Lease | None:
-        """Copy ``data`` (one chunk, any device) into a slot; returns it pinned, or None if full."""
+    def put(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None]) -> Lease | None:
+        """Copy ``data`` (one chunk, any device) into a slot, or let ``data(slot_view)`` fill it.
+
+        Returns the chunk pinned, or None when every slot is pinned. A chunk already held is
+        returned as it is (``data`` is not used).
+        """
         held = self.acquire(cid)
         if held is not None:
             return held
         slot = self.reserve()
         if slot is None:
             return None
-        self._view(slot).copy_(data)
+        try:
+            if callable(data):
+                data(self._view(slot))
+            else:
+                self._view(slot).copy_(data)
+        except BaseException:
+            self.abandon(slot)
+            raise
         return self.commit(slot, cid)
 
     def evict(self, target_bytes: int) -> int:
