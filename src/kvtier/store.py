@@ -126,6 +126,21 @@ class BufferPool:
                 self._free.append(buf)
 
 
+def open_pool_tier(config: StoreConfig) -> Tier | None:
+    """The shared tier ``config.pool_url`` names (fs pool or Redis), or None when unset."""
+    if config.pool_url is None:
+        return None
+    if is_redis_url(config.pool_url):
+        from kvtier.tiers.redis import RedisTier  # imports redis-py: optional
+
+        return RedisTier(config.pool_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
+                         timeout_s=config.redis_timeout_s, cluster=config.redis_cluster,
+                         username=config.redis_username, password=config.redis_password,
+                         options=config.redis_options)
+    return PoolTier(parse_pool_url(config.pool_url), config.pool_bytes, fsync=config.fsync,
+                    direct_io=config.direct_io)
+
+
 class TieredStore:
     """KV chunks across host DRAM, local disk and a shared pool. See module docstring."""
 
@@ -161,16 +176,9 @@ class TieredStore:
             if config.disk_path is not None:
                 tiers.append(DiskTier(config.disk_path, config.disk_bytes, fsync=config.fsync,
                                       direct_io=config.direct_io))
-            if config.pool_url is not None and is_redis_url(config.pool_url):
-                from kvtier.tiers.redis import RedisTier  # imports redis-py: optional
-
-                tiers.append(RedisTier(config.pool_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-                                       timeout_s=config.redis_timeout_s, cluster=config.redis_cluster,
-                                       username=config.redis_username, password=config.redis_password,
-                                       options=config.redis_options))
-            elif config.pool_url is not None:
-                tiers.append(PoolTier(parse_pool_url(config.pool_url), config.pool_bytes,
-                                      fsync=config.fsync, direct_io=config.direct_io))
+            pool = open_pool_tier(config)
+            if pool is not None:
+                tiers.append(pool)
         except BaseException:
             # Release what opened before the failure (the disk tier's exclusive lock above all).
             for tier in tiers:

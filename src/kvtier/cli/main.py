@@ -1,4 +1,4 @@
-"""``kvtier`` command line: probe, pool stats|verify|gc, demo.
+"""``kvtier`` command line: probe, pool stats|verify|gc, model make, demo.
 
 Every command takes ``--json`` and then prints exactly one JSON object on stdout (progress
 and logs go to stderr).
@@ -64,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("path", help="the pool directory (the PATH of fs://PATH) or a disk_path")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    model = sub.add_parser("model", help="build a small model directory locally")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    make = model_sub.add_parser(
+        "make", help="write a tiny random-weight Llama (config, bf16 safetensors, a locally trained tokenizer)",
+        description="Build a 4-layer random-weight Llama model directory with a locally trained BPE "
+                    "tokenizer, for tests and demos where no model can be downloaded.")
+    make.add_argument("dir", help="directory to write (created if missing)")
+    make.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed (default 0)")
+    make.add_argument("--json", action="store_true", help="print one JSON object")
+
     demo = sub.add_parser("demo", help="the embedded default: probe a temp dir and run a store round trip",
                           description="Probe a temporary directory, then store sessions into a "
                                       "temporary pool, reopen it as a new store and read them back.")
@@ -85,6 +95,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvtier.cli.pool_cmd import run as run_pool_cmd
 
             return run_pool_cmd(args)
+        if args.command == "model":
+            from pathlib import Path
+
+            from kvtier.model import make_model
+
+            make_model(Path(args.dir), args.seed)
+            if args.json:
+                emit_json({"dir": args.dir, "seed": args.seed})
+            else:
+                print(f"wrote {args.dir}")
+            return 0
         if args.command == "demo":
             from kvtier.cli.demo_cmd import run as run_demo_cmd
 

