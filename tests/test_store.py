@@ -541,3 +541,21 @@ def test_put_chunk_fills_host_dram_in_place_and_writes_down(make_store, tiny, bi
     store.flush()
     reader = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
     bits_equal(reader.get(tokens), kv)
+
+
+def test_load_into_without_promotion_leaves_host_dram_alone(make_store, tiny, bits_equal, tmp_path):
+    writer = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    tokens, kv = tiny.tokens(4 * 16), tiny.kv(4 * 16)
+    writer.put(tokens, kv)
+    writer.flush()
+    reader = make_store(pool_url=f"fs://{tmp_path / 'pool'}")
+    got = torch.zeros_like(kv)
+
+    def sink(i: int, data: torch.Tensor) -> None:
+        got[:, :, i * 16:(i + 1) * 16].copy_(data)
+
+    assert reader.load_into(reader.chunk_ids(tokens), sink, promote=False).num_chunks == 4
+    bits_equal(got, kv)
+    assert reader.lookup(tokens).chunk_tiers == ("pool",) * 4  # not promoted
+    reader.load_into(reader.chunk_ids(tokens), sink)
+    assert reader.lookup(tokens).chunk_tiers == ("host",) * 4

@@ -313,7 +313,7 @@ class TieredStore:
         return out
 
     def load_into(self, ids: Sequence[ChunkId], sink: Callable[[int, torch.Tensor], None], *,
-                  tenant_salt: str | None = None) -> PrefixLoad:
+                  tenant_salt: str | None = None, promote: bool = True) -> PrefixLoad:
         """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading in parallel.
 
         This is the fast path for callers that copy chunks somewhere (an output tensor, an
@@ -321,12 +321,14 @@ class TieredStore:
         threads themselves, so reads and copies of different chunks run at once. ``sink`` may
         be called concurrently and in any order; ``data`` is valid only during the call.
         Returns the number of leading chunks delivered; a chunk after the first failure may
-        have been handed over too and must be ignored.
+        have been handed over too and must be ignored. With ``promote=False`` disk and pool
+        chunks are read into recycled buffers instead of host DRAM slots (for callers that keep
+        the data themselves, like an engine's prefix cache: no page faults, no evictions).
         """
         self._check_open()
         spec = self._spec(self._namespace(tenant_salt))
         located = self._locate(ids)
-        futures = [None if tier is self.host else self._io.submit(self._deliver, i, ids[i], tier, spec, sink)
+        futures = [None if tier is self.host else self._io.submit(self._deliver, i, ids[i], tier, spec, sink, promote)
                    for i, tier in enumerate(located)]
         tiers: list[str] = []
         try:
@@ -351,8 +353,8 @@ class TieredStore:
         return PrefixLoad(len(tiers), tuple(tiers))
 
     def _deliver(self, index: int, cid: ChunkId, first: Tier, spec: ChunkSpec,
-                 sink: Callable[[int, torch.Tensor], None]) -> str | None:
-        got = self._load(cid, first, spec)
+                 sink: Callable[[int, torch.Tensor], None], promote: bool = True) -> str | None:
+        got = self._load(cid, first, spec, promote)
         if got is None:
             return None
         try:
@@ -404,11 +406,11 @@ class TieredStore:
                 if not fut.cancel():
                     fut.add_done_callback(_release_when_done)
 
-    def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec) -> _Loaded | None:
+    def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec, promote: bool = True) -> _Loaded | None:
         """Load from ``first``, falling back to the tiers below it.
 
         A chunk read from disk or the pool lands straight in a host DRAM slot (promotion
-        without a copy); with no host tier, in a recycled buffer.
+        without a copy); with no host tier or ``promote=False``, in a recycled buffer.
         """
         for tier in self.tiers[self.tiers.index(first):]:
             if tier is self.host:
@@ -416,7 +418,7 @@ class TieredStore:
                 if lease is not None:
                     return _Loaded(tier.name, lease)
                 continue
-            slot = self.host.reserve() if self.host is not None else None
+            slot = self.host.reserve() if self.host is not None and promote else None
             into = self.host.slot_buffer(slot) if self.host is not None and slot is not None else self._buffers.take()
             result = tier.load(cid, spec, into)
             if result.ok and result.chunk is not None:

@@ -84,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--json", action="store_true", help="print one JSON object")
 
     demo = sub.add_parser("demo", help="the embedded default: probe a temp dir and run a store round trip",
-                          description="Probe a temporary directory, then store sessions into a "
-                                      "temporary pool, reopen it as a new store and read them back.")
+                          description="With vLLM installed: the seed's cold-resume scenario (instance A "
+                                      "prefills long sessions into a pool, a new instance B resumes them; TTFT "
+                                      "of both). Then a probe of a temporary directory and a store round trip.")
     demo.add_argument("--dir", default=None, help="where to put the temporary data (default: system temp)")
+    demo.add_argument("--no-engine", action="store_true", help="skip the vLLM scenario even when vLLM is installed")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

@@ -324,7 +324,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KVTierMetadata) or self.store is None or self.paged is None:
             return
         for load in meta.loads:
+            t0 = time.perf_counter()
             self._load(load)
+            log.debug("kvtier: loaded %d chunks of %s in %.1f ms", len(load.chunk_ids), load.req_id,
+                     (time.perf_counter() - t0) * 1e3)
 
     def _load(self, load: Transfer) -> None:
         assert self.store is not None and self.paged is not None
@@ -334,7 +337,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             assert self.paged is not None
             self.paged.scatter(data, load.block_ids[index * bpc:(index + 1) * bpc])
 
-        got = self.store.load_into(load.chunk_ids, sink).num_chunks
+        # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
+        got = self.store.load_into(load.chunk_ids, sink, promote=False).num_chunks
         failed = [b for b in load.block_ids[got * bpc:] if b is not None]
         loaded = sum(1 for b in load.block_ids[:got * bpc] if b is not None)
         self.counters["loaded_tokens"] += loaded * self.block_size

@@ -1,0 +1,54 @@
+"""Run one vLLM engine over prompts in this process and write per-request timings as JSON.
+
+    python -m kvtier.integrations.engine_run SPEC.json
+
+SPEC: ``{"model": DIR, "out": FILE, "prompts": [[token ids], ...], "max_tokens": 1,
+"connector": null | "kvtier" | "example", "extra": {kv_connector_extra_config}}``.
+Prompts run one at a time; TTFT is the wall time of a ``generate`` call with
+``max_tokens=1`` (prefill plus the first token), with nothing else in the engine. Used by
+``kvtier demo`` and benchmarks/vllm_resume.py, each configuration in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector") == "kvtier":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=spec["extra"])
+    elif spec.get("connector") == "example":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config=spec["extra"])
+    longest = max(len(p) for p in spec["prompts"]) + spec.get("max_tokens", 1) + 16
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=max(longest, 2048),
+              max_num_batched_tokens=max(longest, 2048), enable_prefix_caching=True, seed=0, **kwargs)
+    start_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 1))
+    results = []
+    for prompt in spec["prompts"]:
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        results.append({"ttft_s": time.perf_counter() - t, "cached": out.num_cached_tokens or 0,
+                        "tokens": list(out.outputs[0].token_ids), "prompt_tokens": len(prompt)})
+    with open(spec["out"], "w") as fh:
+        json.dump({"start_s": start_s, "results": results}, fh)
+    del llm  # shuts the engine down: the connector flushes and writes its metrics file
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
