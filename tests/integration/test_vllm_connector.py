@@ -136,3 +136,45 @@ def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
     from kvtier.admin import check_file
 
     assert [check_file(f) for f in (flipped, truncated, swapped)] == [None, None, None]
+
+
+def test_redis_pool_resumes_in_a_fresh_engine(model: Path, runs: dict[str, Any],
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 7's end-to-end case: the pool is a real redis-server."""
+    import shutil
+    import socket
+    import time
+
+    server_bin = shutil.which("redis-server")
+    if server_bin is None:
+        pytest.skip("redis-server is not installed (scripts/test.sh installs it)")
+    tmp = tmp_path_factory.mktemp("redis-runs")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([server_bin, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp),
+                               "--save", "", "--appendonly", "no", "--maxmemory", "512mb",
+                               "--maxmemory-policy", "allkeys-lru"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        settings = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"redis://127.0.0.1:{port}/0"}
+        ref, _ = runs["reference"]
+        writer, _ = run_engine(model, tmp, "redis-writer", settings)
+        reader, metrics = run_engine(model, tmp, "redis-reader", settings)
+    finally:
+        server.kill()
+        server.wait()
+    assert [r["tokens"] for r in writer] == [r["tokens"] for r in ref]
+    assert [r["tokens"] for r in reader] == [r["tokens"] for r in ref]
+    for prompt, result in zip(prompts()[:15], reader[:15], strict=True):
+        assert result["cached"] == expected_external(len(prompt)), len(prompt)
+    assert metrics["worker"]["tiers"]["redis"]["bytes_read"] > 0
+    assert metrics["worker"]["connector"]["failed_blocks"] == 0

@@ -110,12 +110,7 @@ class FileLookup:
         self.files = ChunkFiles(path, create=False)
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
-        n = 0
-        for cid in ids:
-            if self.files.stat_size(cid.key) is None:
-                break
-            n += 1
-        return n
+        return self.files.leading_present(ids)
 
 
 def _kv_format(vllm_config: VllmConfig, layout: KVLayout, block_size: int) -> str:

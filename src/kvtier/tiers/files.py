@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +102,15 @@ class ChunkFiles:
             return os.stat(self._path_str(key)).st_size
         except OSError:
             return None
+
+    def leading_present(self, ids: Sequence[ChunkId]) -> int:
+        """How many of ``ids``, from the first on, have a published file (one stat each)."""
+        n = 0
+        for cid in ids:
+            if self.stat_size(cid.key) is None:
+                break
+            n += 1
+        return n
 
     # -- write ------------------------------------------------------------------------------
 

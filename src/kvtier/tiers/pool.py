@@ -74,12 +74,7 @@ class PoolTier:
     # -- protocol ---------------------------------------------------------------------------
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
-        n = 0
-        for cid in ids:
-            if self.files.stat_size(cid.key) is None:
-                break
-            n += 1
-        return n
+        return self.files.leading_present(ids)
 
     def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
         # A corrupt chunk is useless to every instance: load removes it for all of them.
