@@ -24,7 +24,7 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,17 @@ class ProbeResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def get_bandwidth(store: TieredStore, sessions: Sequence[np.ndarray], out: torch.Tensor,
+                  total_bytes: int) -> Callable[[], float]:
+    """A timer of kvtier's read path: ``get`` every session into ``out``; returns GB/s."""
+    def run() -> float:
+        t = time.perf_counter()
+        for tokens in sessions:
+            store.get(tokens, out=out)
+        return total_bytes / (time.perf_counter() - t) / 1e9
+    return run
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -182,12 +193,7 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
         out.zero_()  # fault its pages in now: an engine reads into memory it already has
 
         def kvtier(reader: TieredStore) -> Callable[[], float]:
-            def run() -> float:
-                t = time.perf_counter()
-                for tokens in sessions:
-                    reader.get(tokens, out=out)
-                return total / (time.perf_counter() - t) / 1e9
-            return run
+            return get_bandwidth(reader, sessions, out, total)
 
         cold: dict[str, Callable[[], float]] = {
             "buffered_serial": raw(False, False), "buffered_parallel": raw(False, True),

@@ -31,7 +31,7 @@ import torch
 from rich.table import Table
 
 from kvtier.layout import KVLayout
-from kvtier.probe import DEFAULT_LAYOUT
+from kvtier.probe import DEFAULT_LAYOUT, get_bandwidth
 from kvtier.store import TieredStore
 from kvtier.tiers.base import aligned_buffer
 from kvtier.tiers.redis import RedisTier
@@ -152,12 +152,7 @@ def run_redis_probe(path: str, *, total_bytes: int = 1 << 30, threads: int = 8, 
         out.zero_()  # fault its pages in now: an engine reads into memory it already has
 
         def kvtier(reader: TieredStore) -> Callable[[], float]:
-            def run() -> float:
-                t = time.perf_counter()
-                for tokens in sessions:
-                    reader.get(tokens, out=out)
-                return total / (time.perf_counter() - t) / 1e9
-            return run
+            return get_bandwidth(reader, sessions, out, total)
 
         modes = {"serial": raw(False), "parallel": raw(True), "kvtier": kvtier(store),
                  "kvtier_serial": kvtier(serial_store), "redis_py_serial": raw(False, redis_py_get)}
