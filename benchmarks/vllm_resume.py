@@ -22,22 +22,20 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.integrations.engine_run import EngineError, run_engine
+
 
 def run(spec: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
-    spec = {**spec, "out": str(tmp / f"{name}.json")}
-    path = tmp / f"{name}.spec.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "kvtier.integrations.engine_run", str(path)],
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
-    return json.loads((tmp / f"{name}.json").read_text())
+    """Results of one engine process, or ``{"error": ...}``: a failed peer is recorded, not fatal."""
+    try:
+        return run_engine(spec, tmp, name)
+    except EngineError as exc:
+        return {"error": str(exc)}
 
 
 def median_ttft(result: dict[str, Any]) -> float | None:

@@ -12,8 +12,6 @@ import argparse
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,14 +75,10 @@ ENGINE_SESSION_TOKENS = 6144 + 37
 
 
 def _engine(spec: dict[str, Any], root: Path, name: str) -> dict[str, Any]:
-    spec = {**spec, "out": str(root / f"{name}.json")}
-    path = root / f"{name}.spec.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "kvtier.integrations.engine_run", str(path)],
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM engine {name} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads((root / f"{name}.json").read_text())
+    """Run an engine; attach its worker's kvtier metrics (written at shutdown)."""
+    from kvtier.integrations.engine_run import run_engine
+
+    result = run_engine(spec, root, name)
     metrics = root / f"{name}.metrics.worker.json"
     result["metrics"] = json.loads(metrics.read_text()) if metrics.exists() else {}
     return result

@@ -13,9 +13,31 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+
+class EngineError(RuntimeError):
+    """An engine process exited with an error; the message ends with its stderr."""
+
+
+def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout_s: float = 1800) -> dict[str, Any]:
+    """Run ``spec`` in a fresh process (``WORKDIR/NAME.json`` gets the results); return them.
+
+    Raises EngineError with the tail of the engine's stderr when it fails.
+    """
+    spec = {**spec, "out": str(workdir / f"{name}.json")}
+    path = workdir / f"{name}.spec.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "kvtier.integrations.engine_run", str(path)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise EngineError(f"vLLM engine {name} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads((workdir / f"{name}.json").read_text())
+    return result
 
 
 def main(spec_path: str) -> None:
