@@ -146,3 +146,29 @@ def test_chunk_payload_is_its_raw_bytes(tiny):
     (a,) = tiny.chunks(1)
     assert a.nbytes == 2048
     assert bytes(a.payload()) == bytes(a.data.reshape(-1).view(torch.uint8).numpy())
+
+
+
+def test_change_journal_mirrors_additions_and_evictions(make_host, tiny):
+    """track_changes/drain_changes: a consumer that applies the events holds exactly the keys."""
+    host = make_host(num_chunks=2)
+    a, b, c = tiny.chunks(3)
+    host.store(a, tiny.spec())
+    assert host.drain_changes() == []  # not tracking yet
+    host.track_changes()
+    mirror: set[bytes] = set()
+
+    def apply() -> None:
+        for added, key in host.drain_changes():
+            (mirror.add if added else mirror.discard)(key)
+
+    apply()
+    assert mirror == {a.id.key}  # what it already held is reported once tracking starts
+    host.store(b, tiny.spec())
+    host.store(c, tiny.spec())  # evicts a, the least recently used
+    apply()
+    assert mirror == set(host.keys()) == {b.id.key, c.id.key}
+    host.evict(0)
+    apply()
+    assert mirror == set()
+    assert host.drain_changes() == []

@@ -3,7 +3,8 @@
     python _engine.py SPEC.json
 
 SPEC: {"model": DIR, "out": FILE, "prompts": [[ids...], ...], "max_tokens": N,
-       "connector": null | {extra config for KVTierConnector}}
+       "connector": null | {extra config for KVTierConnector},
+       "reset_prefix_cache_at": [i, ...]}  (empty vLLM's own prefix cache before prompt i)
 Prompts run one at a time, so each request sees what the ones before it stored.
 """
 
@@ -31,7 +32,9 @@ def main() -> None:
               enable_prefix_caching=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 6))
     results = []
-    for prompt in spec["prompts"]:
+    for i, prompt in enumerate(spec["prompts"]):
+        if i in spec.get("reset_prefix_cache_at", []):
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,

