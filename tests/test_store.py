@@ -441,6 +441,19 @@ def test_failed_open_releases_what_it_already_opened(make_store, tmp_path, unwri
     assert [t.name for t in store.tiers] == ["host", "disk", "pool"]
 
 
+def test_unavailable_tiers_can_be_left_out_and_reported(tiny, tmp_path, unwritable, bits_equal):
+    """What an engine integration uses: a missing mount costs that tier, not the engine."""
+    reported: list[tuple[str, str]] = []
+    config = tiny.config(disk_path=str(unwritable / "disk"), pool_url=f"fs://{unwritable}/pool")
+    with TieredStore(config, unavailable=lambda name, exc: reported.append((name, str(exc)))) as store:
+        assert [t.name for t in store.tiers] == ["host"]
+        assert [name for name, _ in reported] == ["disk", "pool"]
+        assert all("cannot use" in err for _, err in reported)
+        tokens, kv = tiny.tokens(3 * tiny.chunk_tokens), tiny.kv(3 * tiny.chunk_tokens)
+        store.put(tokens, kv)
+        bits_equal(store.get(tokens), kv)
+
+
 def test_missing_directories_are_created(make_store, tmp_path):
     make_store(disk_path=str(tmp_path / "a" / "b"), pool_url=f"fs://{tmp_path}/c/d")
     assert (tmp_path / "a" / "b" / ".kvtier").is_file()

@@ -60,6 +60,13 @@ WORDS = (
 SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]  # 70 syllables -> 343k three-syllable words
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% else %}"
+    "\n\n{{ m['role'] | capitalize }}: {{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}\n\nAssistant:{% endif %}"
+)
+
+
 def weights(seed: int) -> dict[str, torch.Tensor]:
     """Random Llama weights under Hugging Face parameter names, bf16, std 0.02; norms are ones."""
     g = torch.Generator().manual_seed(seed)
@@ -135,6 +142,8 @@ def make_model(out: Path, seed: int = 0) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
+        # A plain-text template, so /v1/chat/completions works (kvtier bench --api chat).
+        "chat_template": CHAT_TEMPLATE,
         **specials,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")

@@ -32,6 +32,7 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from kvtier.config import StoreConfig, load_settings, parse_bytes
+from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
@@ -144,17 +145,19 @@ def open_pool_tier(config: StoreConfig) -> Tier | None:
 class TieredStore:
     """KV chunks across host DRAM, local disk and a shared pool. See module docstring."""
 
-    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None) -> None:
+    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
+                 unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> None:
         """Open the tiers ``config`` names, or use ``tiers`` (ordered fastest first) instead.
 
-        Raises TierUnavailableError when a directory cannot be used, ValueError on bad config.
+        Raises TierUnavailableError when a directory cannot be used (unless ``unavailable``
+        is given: see ``_open_tiers``), ValueError on bad config.
         """
         self.config = config
         self.layout: KVLayout = config.layout
         self.chunk_tokens = config.chunk_tokens
         self.namespace = Namespace(config.model_id, config.layout, config.chunk_tokens, config.rank,
                                    config.world_size, config.tenant_salt, kv_format=config.kv_format)
-        self.tiers: list[Tier] = list(tiers) if tiers is not None else self._open_tiers(config)
+        self.tiers: list[Tier] = list(tiers) if tiers is not None else self._open_tiers(config, unavailable)
         self.host: HostTier | None = next((t for t in self.tiers if isinstance(t, HostTier)), None)
         self.store_metrics = TierMetrics("store")
         self._specs: dict[bytes, ChunkSpec] = {}
@@ -168,17 +171,35 @@ class TieredStore:
             {"store": self.store_metrics, **{t.name: t.metrics for t in self.tiers}})
 
     @staticmethod
-    def _open_tiers(config: StoreConfig) -> list[Tier]:
+    def _open_tiers(config: StoreConfig,
+                    unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> list[Tier]:
+        """The tiers ``config`` names, fastest first.
+
+        A disk or pool tier that cannot be used raises TierUnavailableError, unless
+        ``unavailable(name, error)`` is given: then it is reported there and left out, so an
+        engine keeps serving (with fewer tiers) when a mount is missing.
+        """
         tiers: list[Tier] = []
+
+        def optional(name: str, opener: Callable[[], Tier | None]) -> None:
+            try:
+                tier = opener()
+            except TierUnavailableError as exc:
+                if unavailable is None:
+                    raise
+                unavailable(name, exc)
+                return
+            if tier is not None:
+                tiers.append(tier)
+
         try:
             if config.host_bytes > 0:
                 tiers.append(HostTier(config.host_bytes, config.layout, config.chunk_tokens))
             if config.disk_path is not None:
-                tiers.append(DiskTier(config.disk_path, config.disk_bytes, fsync=config.fsync,
-                                      direct_io=config.direct_io))
-            pool = open_pool_tier(config)
-            if pool is not None:
-                tiers.append(pool)
+                disk_path = config.disk_path
+                optional("disk", lambda: DiskTier(disk_path, config.disk_bytes, fsync=config.fsync,
+                                                  direct_io=config.direct_io))
+            optional("pool", lambda: open_pool_tier(config))
         except BaseException:
             # Release what opened before the failure (the disk tier's exclusive lock above all).
             for tier in tiers:

@@ -25,6 +25,9 @@ if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
 
 ENGINE = Path(__file__).with_name("_engine.py")
 BLOCK, CHUNK = 128, 256
+# These tests check what is loaded and that it is right; whether a load pays off (the default
+# "auto" policy, from measured rates) would make the expected hit counts depend on timing.
+ALWAYS = {"load_policy": "always"}
 
 
 def prompts() -> list[list[int]]:
@@ -69,7 +72,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("runs")
     pool = tmp / "pool"
-    common = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "chunk_tokens": CHUNK}
+    common = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "chunk_tokens": CHUNK, **ALWAYS}
     out: dict[str, Any] = {"tmp": tmp, "pool": pool}
     out["reference"] = run_engine(model, tmp, "reference",
                                   {**common, "pool_url": f"fs://{tmp / 'empty-pool'}", "load_policy": "never"})
@@ -125,7 +128,7 @@ def test_scheduler_sees_the_workers_host_tier(model: Path, tmp_path: Path) -> No
     fresh = prompts()[:15]
     long_enough = [p for p in fresh if len(p) >= 2 * CHUNK]
     all_prompts = fresh + long_enough
-    got, metrics = run_engine(model, tmp_path, "host-only", {"host_bytes": 64 * (CHUNK * 2048 + 4096)},
+    got, metrics = run_engine(model, tmp_path, "host-only", {"host_bytes": 64 * (CHUNK * 2048 + 4096), **ALWAYS},
                               prompts=all_prompts, reset_prefix_cache_at=[len(fresh)])
     ref = {tuple(p): r["tokens"] for p, r in zip(fresh, got, strict=False)}
     for prompt, result in zip(long_enough, got[len(fresh):], strict=True):
@@ -150,7 +153,7 @@ def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
     swapped.write_bytes(files[9].read_bytes())  # a valid chunk of another prompt under this name
     ref, _ = runs["reference"]
     got, metrics = run_engine(model, tmp, "faulty",
-                              {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"fs://{pool}"})
+                              {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"fs://{pool}", **ALWAYS})
     assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
     pool_metrics = metrics["worker"]["tiers"]["pool"]
     assert pool_metrics["corrupt_chunks"] == 3
@@ -188,7 +191,7 @@ def test_redis_pool_resumes_in_a_fresh_engine(model: Path, runs: dict[str, Any],
             except OSError:
                 assert time.monotonic() < deadline, "redis-server did not start"
                 time.sleep(0.1)
-        settings = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"redis://127.0.0.1:{port}/0"}
+        settings = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"redis://127.0.0.1:{port}/0", **ALWAYS}
         ref, _ = runs["reference"]
         writer, _ = run_engine(model, tmp, "redis-writer", settings)
         reader, metrics = run_engine(model, tmp, "redis-reader", settings)
@@ -201,3 +204,35 @@ def test_redis_pool_resumes_in_a_fresh_engine(model: Path, runs: dict[str, Any],
         assert result["cached"] == expected_external(len(prompt)), len(prompt)
     assert metrics["worker"]["tiers"]["redis"]["bytes_read"] > 0
     assert metrics["worker"]["connector"]["failed_blocks"] == 0
+
+
+@pytest.mark.root
+def test_full_disk_and_missing_pool_cost_recomputes_not_the_engine(model: Path, runs: dict[str, Any],
+                                                                   tmp_path: Path) -> None:
+    """The local disk tier sits on a 4 MiB tmpfs that fills up; the pool's directory cannot exist.
+    The engine starts, serves every prompt with the reference's tokens, and counts both faults."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {mounted.stderr.strip()}")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file where the pool's parent directory should be")
+    try:
+        got, metrics = run_engine(model, tmp_path, "broken-storage",
+                                  {"host_bytes": 8 * (CHUNK * 2048 + 4096), "disk_path": str(small / "disk"),
+                                   "disk_bytes": "1GiB", "pool_url": f"fs://{blocker}/pool"})
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+    ref, _ = runs["reference"]
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    worker = metrics["worker"]
+    assert worker["connector"]["unavailable_tiers"] == 1  # the pool, left out at start
+    assert metrics["scheduler"]["connector"]["unavailable_tiers"] == 1
+    assert "pool" not in worker["tiers"]
+    disk = worker["tiers"]["disk"]
+    assert disk["failed_writes"] > 0  # ENOSPC, counted
+    assert disk["written_chunks"] > 0  # what fitted was written

@@ -1,4 +1,4 @@
-"""``kvtier`` command line: probe, pool stats|verify|gc, serve, model make, demo.
+"""``kvtier`` command line: probe, pool stats|verify|gc, serve, model make, bench, demo.
 
 Every command takes ``--json`` and then prints exactly one JSON object on stdout (progress
 and logs go to stderr).
@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed (default 0)")
     make.add_argument("--json", action="store_true", help="print one JSON object")
 
+    from kvtier.cli.bench_cmd import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+
     demo = sub.add_parser("demo", help="the embedded default: probe a temp dir and run a store round trip",
                           description="With vLLM installed: the seed's cold-resume scenario (instance A "
                                       "prefills long sessions into a pool, a new instance B resumes them; TTFT "
@@ -94,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from kvtier.cli.bench_cmd import normalize
+
+    args = build_parser().parse_args(normalize(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -121,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(f"wrote {args.dir}")
             return 0
+        if args.command == "bench":
+            from kvtier.cli.bench_cmd import run as run_bench_cmd
+
+            return run_bench_cmd(args)
         if args.command == "demo":
             from kvtier.cli.demo_cmd import run as run_demo_cmd
 

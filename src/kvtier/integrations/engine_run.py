@@ -44,6 +44,8 @@ def main(spec_path: str) -> None:
     with open(spec_path) as fh:
         spec = json.load(fh)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # Same CPU binding with and without a KV connector (see kvtier.bench.suite).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 

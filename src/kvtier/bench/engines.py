@@ -1,0 +1,114 @@
+"""Start and stop OpenAI-compatible servers (and helper processes) for the benchmark suite.
+
+Each process runs in its own session (process group) with its output in a log file, so the
+suite can stop it and everything it spawned (vLLM's engine-core and worker processes), and
+can quote the log when it fails. Readiness is polled over HTTP (``/health`` for vLLM) or a
+TCP connect; a process that exits while starting fails at once with the log's tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    """A server did not start, or died; the message ends with the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: Path, chars: int = 2500) -> str:
+    try:
+        data = path.read_bytes()[-chars:]
+    except OSError:
+        return "(no log)"
+    return data.decode(errors="replace")
+
+
+@dataclass
+class Process:
+    """A server process. ``ready_url``: polled until it answers 200; else ``ready_port`` is dialled."""
+
+    name: str
+    argv: Sequence[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    ready_url: str | None = None
+    ready_port: int | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> float:
+        """Start and wait until ready; returns the seconds it took. Raises EngineError."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with open(self.log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(list(self.argv), stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
+                                         start_new_session=True)
+        deadline = t0 + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.proc = None
+                raise EngineError(f"{self.name} exited with status {code} while starting; log {self.log}:\n"
+                                  f"{log_tail(self.log)}")
+            if self._ready():
+                return time.perf_counter() - t0
+            if time.perf_counter() > deadline:
+                self.stop()
+                raise EngineError(f"{self.name} was not ready after {timeout_s:.0f} s; log {self.log}:\n"
+                                  f"{log_tail(self.log)}")
+            time.sleep(0.5)
+
+    def _ready(self) -> bool:
+        if self.ready_url is not None:
+            try:
+                return httpx.get(self.ready_url, timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        if self.ready_port is not None:
+            try:
+                socket.create_connection(("127.0.0.1", self.ready_port), timeout=1.0).close()
+                return True
+            except OSError:
+                return False
+        return True
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGINT the process group (vLLM shuts down cleanly: kvtier flushes), then SIGKILL."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Children that outlived the leader (engine core, workers) share its process group.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

