@@ -9,6 +9,7 @@ TCP connect; a process that exits while starting fails at once with the log's ta
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,24 @@ def log_tail(path: Path, chars: int = 2500) -> str:
     except OSError:
         return "(no log)"
     return data.decode(errors="replace")
+
+
+_EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.*)$")
+
+
+def root_cause(path: Path) -> str | None:
+    """The first ``SomethingError: message`` line of the log's latest start (the root cause;
+    vLLM logs the worker's error before the engine-core and front-end errors it causes)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("=== ") and " start: " in line]
+    for line in lines[starts[-1] if starts else 0:]:
+        m = _EXCEPTION.search(line)
+        if m and "ulimit" not in line:
+            return f"{m.group(1)}: {m.group(2)}"[:400]
+    return None
 
 
 @dataclass
@@ -91,6 +110,22 @@ class Process:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def check(self) -> None:
+        """Raise EngineError (with the log's root cause) if the server died or reports unhealthy.
+
+        An engine whose core crashed may leave its HTTP front end up answering 500s: the health
+        URL tells them apart.
+        """
+        if self.proc is None:
+            return
+        code = self.proc.poll()
+        healthy = code is None and self._ready()
+        if healthy:
+            return
+        state = f"exited with status {code}" if code is not None else "is up but reports unhealthy"
+        cause = root_cause(self.log)
+        raise EngineError(f"{self.name} {state}" + (f": {cause}" if cause else "") + f" (log: {self.log})")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGINT the process group (vLLM shuts down cleanly: kvtier flushes), then SIGKILL."""

@@ -56,8 +56,8 @@ class SuiteSpec:
     configs: Sequence[str] = CONFIGS
     concurrency: Sequence[int] = (1, 2, 4)
     instances: int = 1
-    cold: WorkloadSpec = field(default_factory=lambda: WorkloadSpec("cold-resume", 4, (3072, 6144), 2, 32, 16))
-    sessions_per_concurrency: int = 2  # cold-resume sessions at concurrency c: max(cold.sessions, this * c)
+    cold: WorkloadSpec = field(default_factory=lambda: WorkloadSpec("cold-resume", 6, (3072, 6144), 2, 32, 16))
+    sessions_per_concurrency: int = 3  # cold-resume sessions at concurrency c: max(cold.sessions, this * c)
     extra: Sequence[WorkloadSpec] = ()  # short-chat / chat workloads run after the resume phase
     host_bytes: str = "1GiB"
     kv_cache_gib: int = 2
@@ -71,7 +71,7 @@ class SuiteSpec:
 def presets(name: str, out: Path) -> SuiteSpec:
     """``quick``: minutes on a 2-core machine with the tiny model; ``full``: longer contexts."""
     if name == "quick":
-        return SuiteSpec(out, extra=(WorkloadSpec("short-chat", 4, (128, 384), 1, 32, 16),))
+        return SuiteSpec(out, extra=(WorkloadSpec("short-chat", 16, (128, 384), 1, 32, 16),))
     if name == "full":
         return SuiteSpec(out, concurrency=(1, 2, 4, 8), cold=WorkloadSpec("cold-resume", 4, (4096, 12288), 2, 32, 32),
                          extra=(WorkloadSpec("short-chat", 8, (128, 512), 1, 32, 32),
@@ -182,6 +182,11 @@ class ConfigRunner:
         for e in self.engines:
             e.start(self.spec.start_timeout_s)
 
+    def check(self) -> None:
+        """After each phase: a crashed peer fails its configuration (with its error) right away."""
+        for p in [*self.helpers, *self.engines]:
+            p.check()
+
     def stop_engines(self) -> None:
         for e in self.engines:
             e.stop()
@@ -237,6 +242,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
             progress(f"{config}: populate, concurrency {c} ({len(group)} sessions)")
             asyncio.run(client.run(group, range(0, 1), c, on_record=recorder,
                                    tags={**tags, "workload": "cold-resume", "concurrency": c}))
+            runner.check()
         if n == 1:
             progress(f"{config}: restarting (evicts vLLM's cache and any DRAM tier; storage survives)")
             runner.restart()
@@ -245,6 +251,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
             progress(f"{config}: resume, concurrency {c}")
             asyncio.run(client.run(group, range(1, spec.cold.turns), c, on_record=recorder,
                                    tags={**tags, "workload": "cold-resume", "concurrency": c}))
+            runner.check()
         first = sum(len(g) for g in sessions.values())
         for w in spec.extra:
             for c in spec.concurrency:
@@ -253,6 +260,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
                 progress(f"{config}: {w.workload}, concurrency {c}")
                 asyncio.run(client.run(group, range(0, w.turns), c, on_record=recorder,
                                        tags={**tags, "workload": w.workload, "concurrency": c}))
+                runner.check()
     except (EngineError, OSError, ValueError) as exc:
         entry["status"], entry["error"] = "failed", str(exc)
         progress(f"{config}: FAILED: {str(exc).splitlines()[0]}")

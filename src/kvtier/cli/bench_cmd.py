@@ -167,13 +167,15 @@ def _suite(args: argparse.Namespace) -> int:
 
 def _with_progress(body: Any) -> Any:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
     with console.status("starting") as status:
 
         def say(msg: str) -> None:
-            console.log(f"[{time.perf_counter() - t0:6.0f}s] {msg}")
+            console.print(f"[dim]{time.strftime('%H:%M:%S')} {time.perf_counter() - t0:5.0f}s[/dim] {escape(msg)}",
+                          highlight=False, markup=True)
             status.update(msg)
 
         return body(say)
