@@ -1,4 +1,4 @@
-"""``kvtier`` command line: probe, pool stats|verify|gc, serve, model make, bench, demo.
+"""``kvtier`` command line: probe, pool stats|verify|gc, serve, model make, bench, plan, demo.
 
 Every command takes ``--json`` and then prints exactly one JSON object on stdout (progress
 and logs go to stderr).
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from kvtier.cli.plan_cmd import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
+
     demo = sub.add_parser("demo", help="the embedded default: probe a temp dir and run a store round trip",
                           description="With vLLM installed: the seed's cold-resume scenario (instance A "
                                       "prefills long sessions into a pool, a new instance B resumes them; TTFT "
@@ -131,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvtier.cli.bench_cmd import run as run_bench_cmd
 
             return run_bench_cmd(args)
+        if args.command == "plan":
+            from kvtier.cli.plan_cmd import run as run_plan_cmd
+
+            return run_plan_cmd(args)
         if args.command == "demo":
             from kvtier.cli.demo_cmd import run as run_demo_cmd
 

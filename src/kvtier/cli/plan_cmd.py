@@ -1,0 +1,216 @@
+"""``kvtier plan``: predict hit rate, TTFT and throughput per tier configuration; check it on a bench run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = """examples:
+  kvtier plan --preset seed --concurrency 8,16,32
+  kvtier plan --calibrate RESULTS/ --sessions 32 --context 4k-16k --concurrency 1,2,4,8 --png plan.png
+  kvtier plan --model config.json --tp 8 --hardware hw.yaml --trace sessions.csv --concurrency 16
+  kvtier plan --check RESULTS/          # calibrate at concurrency 1, predict the rest, compare
+"""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _range(text: str) -> tuple[int, int]:
+    from kvtier.bench.workload import parse_range
+
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan", help="predict what tiering does for a workload (hit rate, TTFT, tok/s) before buying hardware",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Simulate a workload over the tiers (discrete-event: engine KV, LRU per tier, bandwidth "
+                    "shared by concurrent read-backs, prefill queueing, the connector's load-or-recompute "
+                    "decision) and print, per configuration (recompute / host DRAM / local disk / shared pool / "
+                    "pool shared by N instances) and concurrency: hit rate per tier, TTFT p50/p90/p99, tok/s, "
+                    "bytes read per second and the bottleneck. Hardware figures come from --hardware (YAML/JSON), "
+                    "--calibrate (a `kvtier bench` result folder) and --probe (`kvtier probe --json`), later "
+                    "sources overriding earlier ones. See docs/planner.md.")
+    m = p.add_argument_group("model (default: the calibration run's model shape)")
+    m.add_argument("--model", default=None, help="an HF config.json (or its directory)")
+    m.add_argument("--layers", type=int, default=None, help="number of layers")
+    m.add_argument("--kv-heads", type=int, default=None, help="KV heads (model total)")
+    m.add_argument("--head-dim", type=int, default=None, help="head dim")
+    m.add_argument("--dtype", default=None, help="KV dtype (bfloat16, float16, fp8, ...; default bfloat16)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel size: KV heads split over ranks (default 1)")
+    w = p.add_argument_group("workload (a trace, or a distribution)")
+    w.add_argument("--trace", default=None, help="CSV or JSONL: session, arrival_s, prompt_tokens, output_tokens "
+                                                 "(open loop: each request arrives at arrival_s)")
+    w.add_argument("--workload", choices=("cold-resume", "chat"), default="cold-resume",
+                   help="cold-resume: turn 0 populates, the engine restarts, later turns are measured; chat: every "
+                        "turn measured in one engine lifetime (default cold-resume)")
+    w.add_argument("--sessions", type=int, default=None,
+                   help="sessions per concurrency level (default: 2 x concurrency)")
+    w.add_argument("--context", type=_range, default=(4096, 16384), help="context tokens, uniform MIN-MAX (4k-16k)")
+    w.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
+    w.add_argument("--think", type=float, default=0.0, help="seconds between turns (default 0)")
+    w.add_argument("--question-tokens", type=int, default=32, help="tokens per user turn (default 32)")
+    w.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
+    w.add_argument("--concurrency", type=_ints, default=[8, 16, 32],
+                   help="closed-loop users, e.g. 8,16,32 (ignored for --trace)")
+    w.add_argument("--seed", type=int, default=0, help="workload and routing seed (default 0)")
+    h = p.add_argument_group("hardware")
+    h.add_argument("--preset", choices=("seed",), default=None,
+                   help="seed: the seed's Qwen3-Coder-480B TP=8 deployment (model, tiers, workload; assumptions "
+                        "in kvtier/plan/presets.py)")
+    h.add_argument("--hardware", default=None, help="YAML/JSON: engine figures and tiers (host, disk, pool)")
+    h.add_argument("--calibrate", default=None, metavar="BENCH_DIR",
+                   help="fit engine and tier figures from a `kvtier bench` result folder")
+    h.add_argument("--calibrate-concurrency", type=int, default=1,
+                   help="concurrency level of the bench run to fit on (default 1)")
+    h.add_argument("--probe", default=None, help="`kvtier probe --json` output: read/write bandwidth of --probe-tier")
+    h.add_argument("--probe-tier", default="disk", help="tier the probe measured (default disk)")
+    h.add_argument("--instances", type=int, default=None, help="instances sharing the pool (adds shared-pool-xN)")
+    o = p.add_argument_group("output")
+    o.add_argument("--check", default=None, metavar="BENCH_DIR",
+                   help="calibrate on one concurrency level of BENCH_DIR, predict every other cell of that run, "
+                        "print predicted vs measured TTFT p50")
+    o.add_argument("--markdown", default=None, help="with --check: also write the table to this file")
+    o.add_argument("--png", default=None, help="write TTFT p50 vs concurrency to this PNG")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _model(args: argparse.Namespace, fallback: Any) -> Any:
+    from kvtier.plan.spec import ModelSpec
+
+    if args.model:
+        return ModelSpec.from_hf_config(args.model, parallel_size=args.tp, dtype=args.dtype)
+    if args.layers or args.kv_heads or args.head_dim:
+        if not (args.layers and args.kv_heads and args.head_dim):
+            raise ValueError("--layers, --kv-heads and --head-dim go together (or give --model config.json)")
+        return ModelSpec(args.layers, args.kv_heads, args.head_dim, args.dtype or "bfloat16", args.tp)
+    if fallback is None:
+        raise ValueError("no model: give --model config.json, --layers/--kv-heads/--head-dim, --calibrate or --preset")
+    return fallback
+
+
+def _hardware(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    from kvtier.plan import calibrate as cal_mod
+    from kvtier.plan import presets
+    from kvtier.plan.spec import hardware_from_dict, hardware_to_dict, load_mapping
+
+    data: dict[str, Any] = {}
+    model = None
+    info: dict[str, Any] = {}
+    if args.preset == "seed":
+        data = presets.SEED_HARDWARE
+        model = presets.SEED_MODEL
+    if args.calibrate:
+        probe = cal_mod.load_probe(args.probe) if args.probe else None
+        cal = cal_mod.calibrate(args.calibrate, probe=probe, concurrency=args.calibrate_concurrency)
+        model = cal.model
+        calibrated = hardware_to_dict(cal.hardware())
+        env_probe = probe or {}
+        host_rate = cal_mod.probe_read_rate({"x": env_probe.get("kvtier_cache_gbps")}) or 5e9
+        calibrated["tiers"]["host"] = {"capacity_bytes": cal.fit.get("host_bytes", 1 << 30),
+                                       "read_bytes_per_s": host_rate, "write_bytes_per_s": host_rate,
+                                       "persistent": False}
+        data = _deep_merge(data, calibrated)
+        info["calibration"] = cal.to_dict()
+    if args.hardware:
+        data = _deep_merge(data, load_mapping(args.hardware))
+    if args.probe and not args.calibrate:
+        probe = cal_mod.load_probe(args.probe)
+        rate = cal_mod.probe_read_rate(probe)
+        if rate:
+            tier = dict((data.get("tiers") or {}).get(args.probe_tier) or {"capacity_bytes": 1 << 40})
+            tier["read_bytes_per_s"] = rate
+            tier["write_bytes_per_s"] = float(probe.get("write_gbps") or rate / 1e9) * 1e9
+            data = _deep_merge(data, {"tiers": {args.probe_tier: tier}})
+    if args.instances:
+        data = {**data, "instances": args.instances}
+    if not data:
+        raise ValueError("no hardware figures: give --hardware FILE, --calibrate BENCH_DIR or --preset seed")
+    return _model(args, model), hardware_from_dict(data), info
+
+
+def _workload_maker(args: argparse.Namespace) -> Any:
+    from kvtier.plan import presets, workload
+
+    if args.trace:
+        sessions = workload.load_trace(args.trace)
+        return lambda c: workload.trace_workload(sessions)
+    context, turns, q, out = args.context, args.turns, args.question_tokens, args.output_tokens
+    per_user: float = 2.0
+    if args.preset == "seed" and args.sessions is None:
+        s = presets.SEED_WORKLOAD
+        context, turns, q, out, per_user = s["context"], s["turns"], s["question_tokens"], s["output_tokens"], \
+            s["sessions_per_user"]
+
+    def make(c: int) -> Any:
+        n = args.sessions or max(1, int(per_user * c))
+        if args.workload == "chat":
+            return workload.chat(n, context, c, turns=turns, question_tokens=q, output_tokens=out,
+                                 think_s=args.think, seed=args.seed)
+        return workload.cold_resume(n, context, c, turns=max(2, turns), question_tokens=q, output_tokens=out,
+                                    seed=args.seed)
+
+    return make
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from kvtier.cli.main import emit_json
+    from kvtier.plan import calibrate as cal_mod
+    from kvtier.plan.check import cells_markdown, check
+
+    probe = cal_mod.load_probe(args.probe) if args.probe else None
+    cal, cells = check(args.check, concurrency=args.calibrate_concurrency, probe=probe)
+    text = cells_markdown(cells)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        emit_json({"bench_dir": args.check, "calibration": cal.to_dict(), "cells": [c.to_dict() for c in cells]})
+    else:
+        print(text)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.cli.main import emit_json
+    from kvtier.plan.report import render_table, run_plan, write_png
+    from kvtier.plan.spec import default_configs, hardware_to_dict
+
+    if args.check:
+        return run_check(args)
+    model, hw, info = _hardware(args)
+    configs = default_configs(hw, args.instances)
+    concurrency = [0] if args.trace else args.concurrency
+    rows = run_plan(model, hw, configs, concurrency, _workload_maker(args), seed=args.seed)
+    if args.png:
+        write_png(rows, args.png)
+    if args.json:
+        emit_json({"model": {**model.__dict__, "bytes_per_token": model.bytes_per_token},
+                   "hardware": hardware_to_dict(hw), "rows": rows, **info, "png": args.png})
+    else:
+        print(f"model {model.name}: {model.bytes_per_token} KV bytes/token; configurations: "
+              + ", ".join(f"{c.name}={'+'.join(c.tiers) or 'none'}" for c in configs), file=sys.stderr)
+        print(render_table(rows))
+        if args.png:
+            print(f"wrote {args.png}")
+    return 0

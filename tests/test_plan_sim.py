@@ -1,0 +1,135 @@
+"""The planner's simulator on hand-checkable cases: exact load times, sharing, capacity, decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.plan.sim import simulate
+from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec
+from kvtier.plan.workload import Phase, Turn, chat
+
+# 1 layer x K,V x 1 head x dim 1 x float32 = 8 bytes per token: sizes are easy to check by hand.
+MODEL = ModelSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
+ENGINE = EngineSpec(prefill_tokens_per_s=100.0, decode_step_s=0.01, max_batched_tokens=100_000)
+
+
+def tier(name: str = "pool", *, read: float = 1000.0, capacity: int = 1 << 30, latency: float = 0.0,
+         shared: bool = False) -> TierSpec:
+    return TierSpec(name, capacity, read, 1e12, latency, persistent=True, shared=shared)
+
+
+def resume(prompts: list[int], concurrency: int, grow: int = 76) -> tuple[Phase, ...]:
+    """Populate each session with ``prompts[i]`` tokens, restart, resume with ``grow`` more tokens."""
+    populate = tuple((Turn(f"s{i}", p, 1, measured=False),) for i, p in enumerate(prompts))
+    again = tuple((Turn(f"s{i}", p + grow, 1),) for i, p in enumerate(prompts))
+    return (Phase(populate, 1, False, "populate"), Phase(again, concurrency, True, "resume"))
+
+
+def test_single_read_back_takes_bytes_over_bandwidth() -> None:
+    hw = HardwareSpec(ENGINE, (tier(),))
+    r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024], 1))
+    nbytes = 1024 * 8  # four whole 256-token chunks
+    assert r.loaded_tokens["pool"].tolist() == [1024]
+    assert r.load_s[0] == nbytes / 1000.0
+    # TTFT = the read, then prefill of the 76-token suffix; the single output token is that first token.
+    assert r.ttft_s[0] == pytest.approx(nbytes / 1000.0 + ENGINE.prefill_s(76, 1024), abs=1e-12)
+    assert r.bytes_read == {"pool": nbytes}
+
+
+def test_latency_is_paid_once_per_read() -> None:
+    hw = HardwareSpec(ENGINE, (tier(latency=0.5),))
+    r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024], 1))
+    assert r.load_s[0] == pytest.approx(8.192 + 0.5)
+
+
+def test_concurrent_read_backs_share_the_bandwidth() -> None:
+    hw = HardwareSpec(ENGINE, (tier(),))
+    r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024, 1024], 2), arrival_stagger_s=0.0)
+    assert r.load_s.tolist() == [2 * 8.192, 2 * 8.192]
+    assert r.ttft_s[0] == pytest.approx(2 * 8.192 + 2 * ENGINE.prefill_s(76, 1024))
+
+
+def test_pool_shared_by_two_instances_halves_bandwidth() -> None:
+    hw = HardwareSpec(ENGINE, (tier(read=2000.0, shared=True),))
+    alone = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024], 1))
+    shared = simulate(MODEL, hw, PlanConfig("pool-x2", ("pool",), instances=2), resume([1024], 1))
+    assert alone.load_s[0] == 4.096
+    assert shared.load_s[0] == 8.192
+
+
+def test_capacity_zero_recomputes_everything() -> None:
+    hw = HardwareSpec(ENGINE, (tier(capacity=0),))
+    r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024, 2048], 1))
+    assert r.loaded_tokens["pool"].tolist() == [0, 0]
+    assert r.load_s.tolist() == [0.0, 0.0]
+    assert r.ttft_s[0] == pytest.approx(ENGINE.prefill_s(1100, 0))
+    assert r.summary()["hit_rate"] == {"hbm": 0.0, "pool": 0.0}
+
+
+def test_recompute_chosen_when_the_tier_is_slower() -> None:
+    # 8192 bytes at 10 B/s = 819 s to read; prefilling 1024 tokens at 100 tok/s takes 10.24 s.
+    hw = HardwareSpec(ENGINE, (tier(read=10.0),))
+    r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024], 1))
+    assert r.loaded_tokens["pool"].tolist() == [0]
+    assert r.ttft_s[0] == pytest.approx(ENGINE.prefill_s(1100, 0))
+
+
+def test_new_prompts_never_hit() -> None:
+    hw = HardwareSpec(ENGINE, (tier("host"), tier("disk")))
+    r = simulate(MODEL, hw, PlanConfig("local-disk", ("host", "disk")), chat(6, (300, 900), 2, turns=1))
+    s = r.summary()
+    assert s["hit_rate"] == {"hbm": 0.0, "host": 0.0, "disk": 0.0}
+    assert s["recompute_share"] == 1.0
+
+
+def test_lru_evicts_the_oldest_session() -> None:
+    # Room for one 1024-token prefix: s1's write evicts s0.
+    hw = HardwareSpec(ENGINE, (tier(capacity=1024 * 8),))
+    populate = tuple((Turn(f"s{i}", 1024, 1, measured=False),) for i in range(2))
+    again = ((Turn("s1", 1100, 1),), (Turn("s0", 1100, 1),))  # newest first: s1 hits, then s0 misses
+    r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), (Phase(populate, 1), Phase(again, 1, True)))
+    assert r.loaded_tokens["pool"].tolist() == [1024, 0]
+    assert r.capacity_miss_tokens == 1024
+    assert r.evictions == {"pool": 2}  # s1's populate evicts s0; s0's resume evicts s1 again
+
+
+def test_engine_prefix_cache_serves_the_next_turn() -> None:
+    hw = HardwareSpec(ENGINE)
+    turns = (Turn("a", 500, 4), Turn("a", 600, 4))
+    r = simulate(MODEL, hw, PlanConfig("recompute"), (Phase((turns,), 1),))
+    # Block-granular (16): 504 tokens of turn 0 -> 496 cached.
+    assert r.hbm_tokens.tolist() == [0, 496]
+
+
+def test_restart_empties_host_but_not_disk() -> None:
+    host = TierSpec("host", 1 << 30, 1e6, 1e12, persistent=False)
+    hw = HardwareSpec(ENGINE, (host, tier("disk")))
+    r = simulate(MODEL, hw, PlanConfig("local-disk", ("host", "disk")), resume([1024], 1))
+    assert r.loaded_tokens["host"].tolist() == [0]
+    assert r.loaded_tokens["disk"].tolist() == [1024]
+
+
+def test_queued_prefills_wait_for_each_other() -> None:
+    # Budget of one prompt per step: the second request's TTFT includes the first's prefill.
+    eng = EngineSpec(prefill_tokens_per_s=100.0, decode_step_s=0.0, max_batched_tokens=1000)
+    hw = HardwareSpec(eng)
+    sessions = tuple((Turn(f"s{i}", 1000, 1),) for i in range(2))
+    r = simulate(MODEL, hw, PlanConfig("recompute"), (Phase(sessions, 2),), arrival_stagger_s=0.0)
+    assert sorted(r.ttft_s.tolist()) == pytest.approx([10.0, 20.0])
+
+
+def test_deterministic() -> None:
+    hw = HardwareSpec(ENGINE, (tier(shared=True),), instances=3)
+    config = PlanConfig("x3", ("pool",), 3)
+    w = chat(20, (500, 3000), 4, turns=3)
+    a, b = simulate(MODEL, hw, config, w, seed=1), simulate(MODEL, hw, config, w, seed=1)
+    assert a.ttft_s.tolist() == b.ttft_s.tolist()
+
+
+def test_bad_figures_are_rejected() -> None:
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        EngineSpec(prefill_tokens_per_s=0.0, decode_step_s=0.01)
+    with pytest.raises(ValueError, match="read_bytes_per_s"):
+        TierSpec("disk", 1, -1.0, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        ModelSpec(1, 1, 1, "float13")
