@@ -29,6 +29,7 @@ def suite_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_model(root / "model")
     spec = SuiteSpec(root / "out", model=root / "model", configs=("recompute", "shared-pool", "lmcache"),
                      concurrency=(2,), cold=WorkloadSpec("cold-resume", 2, (1536, 2560), 2, 16, 4),
+                     sessions_per_concurrency=2,
                      extra=(WorkloadSpec("short-chat", 2, (64, 128), 1, 8, 4),), lmcache_python=str(root / "none"),
                      probe_total=None, kv_cache_gib=1)
     run_suite(spec)

