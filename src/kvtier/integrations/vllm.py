@@ -257,6 +257,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker_reads: list[tuple[str, int, float]] = []
         if role == KVConnectorRole.SCHEDULER:
             self.lookup_store = self._open_lookup_store()
+        if self.config.world_size > 1:
+            # The scheduler plans with rank 0's chunk keys and every rank saves under them, so
+            # ranks overwrite each other's files; validation turns that into misses (never wrong
+            # KV), but nothing is reused. Per-rank keys are needed before this is supported.
+            log.warning("kvtier: tensor/pipeline parallel size %d is not supported yet: expect no cache "
+                        "hits (ranks share chunk keys); outputs stay correct", self.config.world_size)
         log.info("kvtier connector (%s): %s", role.name, self.config)
 
     # ---------------------------------------------------------------- scheduler side
