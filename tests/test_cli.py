@@ -137,9 +137,9 @@ def test_serve_builds_vllms_server_command_from_a_kvtier_config(
     assert main(["serve", "--config", str(cfg), "--print-command", "--", "--model", "/m", "--port", "8001"]) == 0
     cmd = json.loads(capsys.readouterr().out)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert cmd[3:7] == ["--model", "/m", "--port", "8001"]
-    assert cmd[7] == "--kv-transfer-config"
-    ktc = json.loads(cmd[8])
+    assert cmd[3:9] == ["--model", "/m", "--port", "8001", "--shutdown-timeout", "30"]
+    assert cmd[9] == "--kv-transfer-config"
+    ktc = json.loads(cmd[10])
     assert ktc["kv_connector"] == "KVTierConnector" and ktc["kv_connector_module_path"] == "kvtier.integrations.vllm"
     assert ktc["kv_load_failure_policy"] == "recompute"
     assert ktc["kv_connector_extra_config"] == {"pool_url": "fs:///mnt/pool", "host_bytes": "2GiB"}

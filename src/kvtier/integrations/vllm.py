@@ -525,6 +525,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 snapshot.update(store.metrics_snapshot())
         if self.metrics_file:
             import json
+            import os
 
-            with open(f"{self.metrics_file}.{self._role.name.lower()}.json", "w") as fh:
+            # Temp file + rename: a reader never sees half a file if the process is killed.
+            path = f"{self.metrics_file}.{self._role.name.lower()}.json"
+            with open(f"{path}.tmp", "w") as fh:
                 json.dump(snapshot, fh)
+            os.replace(f"{path}.tmp", path)
