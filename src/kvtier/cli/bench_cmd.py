@@ -14,26 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.cli.args import positive_ints, token_range
+
 SUBCOMMANDS = ("run", "suite", "report")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _range(text: str) -> tuple[int, int]:
-    from kvtier.bench.workload import parse_range
-
-    try:
-        return parse_range(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(sub: Any) -> None:
@@ -55,13 +38,13 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--name", default="endpoint", help="configuration name in the results (default endpoint)")
     run.add_argument("--workload", choices=("cold-resume", "chat", "short-chat"), default="cold-resume")
     run.add_argument("--sessions", type=int, default=8, help="sessions per concurrency level (default 8)")
-    run.add_argument("--context", type=_range, default=(4096, 16384),
+    run.add_argument("--context", type=token_range, default=(4096, 16384),
                      help="context tokens per session, uniform in MIN-MAX (default 4k-16k)")
     run.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
     run.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
     run.add_argument("--question-tokens", type=int, default=32, help="tokens in each user turn (default 32)")
     run.add_argument("--think", type=float, default=0.0, help="seconds between turns of a session (default 0)")
-    run.add_argument("--concurrency", type=_ints, default=[1, 2, 4], help="levels, e.g. 1,2,4 (default)")
+    run.add_argument("--concurrency", type=positive_ints, default=[1, 2, 4], help="levels, e.g. 1,2,4 (default)")
     run.add_argument("--api", choices=("completions", "chat"), default="completions")
     run.add_argument("--tokenizer", default=None,
                      help="tokenizer.json or a model dir, for exact context lengths (default: estimate by words)")
@@ -88,9 +71,9 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--model", default=None, help="HF model dir (default: build the tiny model)")
     suite.add_argument("--configs", default=None,
                        help="comma-separated subset of recompute,local-disk,shared-pool,example-connector,lmcache")
-    suite.add_argument("--concurrency", type=_ints, default=None, help="override the preset's levels")
+    suite.add_argument("--concurrency", type=positive_ints, default=None, help="override the preset's levels")
     suite.add_argument("--instances", type=int, choices=(1, 2), default=1)
-    suite.add_argument("--context", type=_range, default=None, help="override the cold-resume context range")
+    suite.add_argument("--context", type=token_range, default=None, help="override the cold-resume context range")
     suite.add_argument("--sessions", type=int, default=None, help="minimum cold-resume sessions per level")
     suite.add_argument("--no-short-chat", action="store_true", help="skip the short-chat workload")
     suite.add_argument("--only-short-chat", action="store_true",

@@ -7,31 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.cli.args import positive_ints, token_range
+
 EXAMPLES = """examples:
   kvtier plan --preset seed --concurrency 8,16,32
   kvtier plan --calibrate RESULTS/ --sessions 32 --context 4k-16k --concurrency 1,2,4,8 --png plan.png
   kvtier plan --model config.json --tp 8 --hardware hw.yaml --trace sessions.csv --concurrency 16
   kvtier plan --check RESULTS/          # calibrate at concurrency 1, predict the rest, compare
 """
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _range(text: str) -> tuple[int, int]:
-    from kvtier.bench.workload import parse_range
-
-    try:
-        return parse_range(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(sub: Any) -> None:
@@ -60,12 +43,13 @@ def add_parser(sub: Any) -> None:
                         "turn measured in one engine lifetime (default cold-resume)")
     w.add_argument("--sessions", type=int, default=None,
                    help="sessions per concurrency level (default: 2 x concurrency)")
-    w.add_argument("--context", type=_range, default=(4096, 16384), help="context tokens, uniform MIN-MAX (4k-16k)")
+    w.add_argument("--context", type=token_range, default=(4096, 16384),
+                   help="context tokens, uniform MIN-MAX (4k-16k)")
     w.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
     w.add_argument("--think", type=float, default=0.0, help="seconds between turns (default 0)")
     w.add_argument("--question-tokens", type=int, default=32, help="tokens per user turn (default 32)")
     w.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
-    w.add_argument("--concurrency", type=_ints, default=[8, 16, 32],
+    w.add_argument("--concurrency", type=positive_ints, default=[8, 16, 32],
                    help="closed-loop users, e.g. 8,16,32 (ignored for --trace)")
     w.add_argument("--seed", type=int, default=0, help="workload and routing seed (default 0)")
     h = p.add_argument_group("hardware")

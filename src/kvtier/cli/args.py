@@ -1,0 +1,26 @@
+"""argparse value types shared by the ``kvtier`` sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; every value must be >= 1 (concurrency levels)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def token_range(text: str) -> tuple[int, int]:
+    """``"4k-16k"`` -> (4096, 16384), as kvtier.bench.workload.parse_range reads it."""
+    from kvtier.bench.workload import parse_range
+
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
