@@ -121,6 +121,9 @@ def test_lookup_is_the_longest_contiguous_prefix(make_store, tiny, tmp_path):
     os.unlink(store.tiers[0].files.path_for(ids[2].key))
     assert store.lookup(tokens).num_tokens == 32  # chunks 3 and 4 are there but unreachable
     assert store.lookup(tiny.tokens(80, seed=1)).num_tokens == 0
+    # lookup_ids: the same answer from identities the caller already holds.
+    assert store.lookup_ids(ids) == store.lookup(tokens)
+    assert store.lookup_ids(ids[:2]).num_tokens == 32 and store.lookup_ids([]).num_tokens == 0
 
 
 def test_get_rejects_partial_chunks_and_missing_chunks(make_store, tiny):

@@ -256,7 +256,10 @@ class TieredStore:
 
     def lookup(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None) -> LookupResult:
         """Longest prefix of ``tokens`` (whole chunks) held in any tier, and where each is."""
-        ids = self.chunk_ids(tokens, extra=extra, tenant_salt=tenant_salt)
+        return self.lookup_ids(self.chunk_ids(tokens, extra=extra, tenant_salt=tenant_salt))
+
+    def lookup_ids(self, ids: Sequence[ChunkId]) -> LookupResult:
+        """``lookup`` for chunk identities the caller already computed (``chunk_ids``)."""
         located = self._locate(ids, count_metrics=True)
         self.store_metrics.add(lookups=1, lookup_tokens=len(ids) * self.chunk_tokens,
                                hit_chunks=len(located), hit_tokens=len(located) * self.chunk_tokens)

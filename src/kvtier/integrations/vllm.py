@@ -69,6 +69,7 @@ from kvtier.keys import ChunkId
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
 from kvtier.store import TieredStore, open_pool_tier
+from kvtier.tiers.base import leading_held
 from kvtier.tiers.files import ChunkFiles
 
 if TYPE_CHECKING:
@@ -155,12 +156,7 @@ class HostView:
         self.metrics.set(chunks=len(self.keys))
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
-        n = 0
-        for cid in ids:
-            if cid.key not in self.keys:
-                break
-            n += 1
-        return n
+        return leading_held(ids, self.keys)
 
     def close(self) -> None:
         self.keys.clear()
@@ -303,8 +299,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.load_policy == "never" or not state.chunk_ids:
             return 0, False
         assert self.lookup_store is not None
-        found = self.lookup_store.lookup(request.prompt_token_ids,
-                                         tenant_salt=getattr(request, "cache_salt", None))
+        # The request's chunk ids were computed once (``_state``): no second hash of the prompt.
+        found = self.lookup_store.lookup_ids(state.chunk_ids)
         # vLLM must compute at least one prompt token itself.
         end = min(found.num_tokens, (state.prompt_len - 1) // self.block_size * self.block_size)
         ext = end - num_computed_tokens

@@ -8,7 +8,7 @@ everything after it is not cached", which costs at most a recompute.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -108,3 +108,13 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     offset = (-raw.ctypes.data) % ALIGN
     return raw[offset:offset + nbytes]
+
+
+def leading_held(ids: Sequence[ChunkId], held: Container[bytes]) -> int:
+    """How many of ``ids``, from the first on, have their key in ``held`` (a tier's index)."""
+    n = 0
+    for cid in ids:
+        if cid.key not in held:
+            break
+        n += 1
+    return n

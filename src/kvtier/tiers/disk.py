@@ -21,7 +21,7 @@ from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
+from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, leading_held
 from kvtier.tiers.files import ChunkFiles
 
 TOUCH_INTERVAL_S = 60.0
@@ -62,12 +62,7 @@ class DiskTier:
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
         with self._lock:
-            n = 0
-            for cid in ids:
-                if cid.key not in self._index:
-                    break
-                n += 1
-            return n
+            return leading_held(ids, self._index)
 
     def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
         with self._lock:
