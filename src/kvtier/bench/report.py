@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.jsonl import json_objects
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -93,15 +95,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         raise ValueError(f"{requests}: missing; is {folder} a benchmark result folder?")
     records: list[Record] = []
     with requests.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{requests}:{lineno}: not JSON ({exc})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{requests}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        for lineno, row in json_objects(fh, requests):
             missing = [k for k in _REQUIRED if k not in row]
             if missing:
                 raise ValueError(f"{requests}:{lineno}: missing field(s) {', '.join(missing)}")

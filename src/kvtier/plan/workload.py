@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from kvtier.jsonl import json_objects
 
 TRACE_COLUMNS = ("session", "arrival_s", "prompt_tokens", "output_tokens")
 
@@ -66,16 +67,7 @@ def load_trace(path: str | Path) -> list[tuple[Turn, ...]]:
         raise ValueError(f"{p}: {exc}") from None
     rows: list[tuple[int, dict[str, object]]] = []
     if p.suffix in (".jsonl", ".json") or text.lstrip().startswith("{"):
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{p}:{i}: not JSON: {exc}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{p}:{i}: expected a JSON object per line")
-            rows.append((i, obj))
+        rows = list(json_objects(text.splitlines(), p))
     else:
         reader = csv.DictReader(text.splitlines())
         missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
