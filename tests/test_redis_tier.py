@@ -37,15 +37,14 @@ def _free_port(cluster: bool = False) -> int:
     """A free loopback port; for a cluster node, one <= 55535 whose bus port (+10000) is free too."""
     while True:
         with socket.socket() as s, socket.socket() as bus:
-            s.bind(("127.0.0.1", random.randrange(20000, 55535) if cluster else 0))
-            port = s.getsockname()[1]
-            if not cluster:
-                return port
             try:
-                bus.bind(("127.0.0.1", port + 10000))
+                s.bind(("127.0.0.1", random.randrange(20000, 55535) if cluster else 0))
+                port = s.getsockname()[1]
+                if cluster:
+                    bus.bind(("127.0.0.1", port + 10000))
                 return port
             except OSError:
-                continue
+                continue  # a random port (or its bus port) was taken: draw another
 
 
 class RedisServer:

@@ -129,7 +129,7 @@ class ChunkFiles:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
         except FileNotFoundError:
-            os.makedirs(final.parent, mode=self.dir_mode, exist_ok=True)
+            self._make_shard(final.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
         try:
             try:
@@ -145,6 +145,18 @@ class ChunkFiles:
         if self.fsync:
             _fsync_dir(final.parent)
         return spec.file_bytes
+
+    def _make_shard(self, shard: Path) -> None:
+        """Create ``ROOT/ab/cd`` but never ROOT itself: a pool directory that vanished (an
+        unmounted share, an operator's ``rm -rf``) must not be silently recreated on the
+        local disk beneath it. Raises FileNotFoundError when ROOT is gone."""
+        if not os.path.isdir(self._root_str):
+            raise FileNotFoundError(errno.ENOENT, f"chunk directory {self._root_str} is gone")
+        for d in (shard.parent, shard):
+            try:
+                os.mkdir(d, self.dir_mode)
+            except FileExistsError:
+                pass
 
     # -- read -------------------------------------------------------------------------------
 
