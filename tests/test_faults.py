@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier import TieredStore
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Chunk, Status, Tier
 from kvtier.tiers.faulty import FaultyTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.pool import PoolTier
@@ -253,4 +253,31 @@ def test_a_read_slower_than_read_timeout_ends_the_prefix_in_bounded_time(tiny, t
         assert pool.metrics.snapshot().timeouts == 2
     finally:
         faulty.wake()  # let the abandoned reads finish so close() does not wait 30 s
+        store.close()
+
+
+def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
+    """An engine reuses the KV blocks of a failed load at once: a late read must not write there."""
+    pool = PoolTier(tmp_path / "pool", None)
+    faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
+    store = TieredStore(tiny.config(io_threads=4, read_timeout_s=0.2), tiers=[faulty])
+    try:
+        tokens, kv = tiny.tokens(64), tiny.kv(64)
+        for i in range(4):
+            pool.store(Chunk(store.chunk_ids(tokens)[i], kv[:, :, i * C:(i + 1) * C].contiguous()),
+                       tiny.spec())
+        calls: list[int] = []
+        t0 = time.monotonic()
+        result = store.load_into(store.chunk_ids(tokens), lambda i, data: calls.append(i))
+        assert time.monotonic() - t0 < 2.0
+        assert result.num_chunks == 0 and pool.metrics.snapshot().timeouts == 1
+        faulty.wake()  # the four abandoned reads finish now and find the gate shut
+        deadline = time.monotonic() + 5
+        while faulty.inner.metrics.snapshot().bytes_read < 4 * tiny.payload_bytes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.metrics.snapshot().bytes_read >= 4 * tiny.payload_bytes  # the reads did complete
+        time.sleep(0.1)
+        assert calls == []
+    finally:
+        faulty.wake()
         store.close()

@@ -106,6 +106,39 @@ def _release_when_done(fut: cf.Future[_Loaded | None]) -> None:
         got.lease.release()
 
 
+class _SinkGate:
+    """Lets I/O threads hand chunks to a ``load_into`` sink only until that call returns.
+
+    A read can outlive its load: one slower than ``read_timeout_s``, or one still running
+    past the first miss. Once ``load_into`` has returned, the caller's buffers may belong to
+    someone else (an engine hands a failed request's KV blocks to other requests), so a late
+    read must never write there. ``close`` shuts the gate and waits for sinks already running
+    (each is one copy).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._active = 0
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._open:
+                self._active += 1
+            return self._open
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+            self._cond.wait_for(lambda: not self._active)
+
+
 class BufferPool:
     """Recycled aligned read buffers for reads that do not land in host DRAM."""
 
@@ -139,7 +172,7 @@ def open_pool_tier(config: StoreConfig) -> Tier | None:
                          username=config.redis_username, password=config.redis_password,
                          options=config.redis_options)
     return PoolTier(parse_pool_url(config.pool_url), config.pool_bytes, fsync=config.fsync,
-                    direct_io=config.direct_io)
+                    direct_io=config.direct_io, group_access=config.group_access)
 
 
 class TieredStore:
@@ -198,7 +231,8 @@ class TieredStore:
             if config.disk_path is not None:
                 disk_path = config.disk_path
                 optional("disk", lambda: DiskTier(disk_path, config.disk_bytes, fsync=config.fsync,
-                                                  direct_io=config.direct_io))
+                                                  direct_io=config.direct_io,
+                                                  group_access=config.group_access))
             optional("pool", lambda: open_pool_tier(config))
         except BaseException:
             # Release what opened before the failure (the disk tier's exclusive lock above all).
@@ -345,14 +379,17 @@ class TieredStore:
         threads themselves, so reads and copies of different chunks run at once. ``sink`` may
         be called concurrently and in any order; ``data`` is valid only during the call.
         Returns the number of leading chunks delivered; a chunk after the first failure may
-        have been handed over too and must be ignored. With ``promote=False`` disk and pool
+        have been handed over too and must be ignored. ``sink`` is never called after this
+        returns, not even by a read that outlived ``read_timeout_s``. With ``promote=False`` disk and pool
         chunks are read into recycled buffers instead of host DRAM slots (for callers that keep
         the data themselves, like an engine's prefix cache: no page faults, no evictions).
         """
         self._check_open()
         spec = self._spec(self._namespace(tenant_salt))
         located = self._locate(ids)
-        futures = [None if tier is self.host else self._io.submit(self._deliver, i, ids[i], tier, spec, sink, promote)
+        gate = _SinkGate()
+        futures = [None if tier is self.host
+                   else self._io.submit(self._deliver, i, ids[i], tier, spec, sink, promote, gate)
                    for i, tier in enumerate(located)]
         tiers: list[str] = []
         try:
@@ -374,15 +411,23 @@ class TieredStore:
             for fut in futures[len(tiers):]:
                 if fut is not None:
                     fut.cancel()
+            gate.close()
         return PrefixLoad(len(tiers), tuple(tiers))
 
     def _deliver(self, index: int, cid: ChunkId, first: Tier, spec: ChunkSpec,
-                 sink: Callable[[int, torch.Tensor], None], promote: bool = True) -> str | None:
+                 sink: Callable[[int, torch.Tensor], None], promote: bool = True,
+                 gate: _SinkGate | None = None) -> str | None:
         got = self._load(cid, first, spec, promote)
         if got is None:
             return None
         try:
-            sink(index, got.lease.chunk.data)
+            if gate is not None and not gate.enter():
+                return None  # the load returned without this chunk: its buffers are not ours
+            try:
+                sink(index, got.lease.chunk.data)
+            finally:
+                if gate is not None:
+                    gate.leave()
         finally:
             got.lease.release()
         return got.tier

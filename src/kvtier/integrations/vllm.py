@@ -84,7 +84,8 @@ log = logging.getLogger(__name__)
 
 HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
 
-CONNECTOR_KEYS = {"config", "load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "metrics_file"}
+CONNECTOR_KEYS = {"config", "load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "metrics_file",
+                  "inject_faults"}
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.prefill_tokens_per_s = float(settings.get("prefill_tokens_per_s", 0.0)) or None
         self.min_load_tokens = int(settings.get("min_load_tokens", 0))
         self.metrics_file = settings.get("metrics_file")
+        self.inject_faults: dict[str, dict[str, Any]] = dict(settings.get("inject_faults") or {})
         self._states: dict[str, _RequestState] = {}
         # Connector-level counters, written to metrics_file at shutdown (per role).
         self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
@@ -423,9 +425,24 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
         self.paged = PagedKV([kv_caches[n] for n in names], num_blocks, self.block_size)
         self.store = TieredStore(self.config, unavailable=self._tier_unavailable)
+        if self.inject_faults:
+            self._wrap_faulty(self.store)
         if self.store.host is not None:
             self.store.host.track_changes()
         self._tier_order = {t.name: i for i, t in enumerate(self.store.tiers)}
+
+    def _wrap_faulty(self, store: TieredStore) -> None:
+        """Fault-injection tests only: ``inject_faults: {tier name: FaultyTier options}`` wraps
+        the worker's tiers so delays and errors happen inside a real engine."""
+        from kvtier.tiers.faulty import FaultyTier
+
+        unknown = set(self.inject_faults) - {t.name for t in store.tiers}
+        if unknown:
+            raise ValueError(f"inject_faults: no tier named {sorted(unknown)}; tiers: "
+                             f"{[t.name for t in store.tiers]}")
+        store.tiers = [FaultyTier(t, **self.inject_faults[t.name]) if t.name in self.inject_faults else t
+                       for t in store.tiers]
+        log.warning("kvtier: injecting faults into %s (a test setting)", sorted(self.inject_faults))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # vLLM binds the metadata before the forward pass and calls wait_for_save after it
