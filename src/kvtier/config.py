@@ -67,6 +67,9 @@ class StoreConfig:
     read_timeout_s: float = 10.0
     fsync: bool = False
     direct_io: bool = True
+    group_access: bool = False
+    """Disk and pool files 0o660 and directories 0o2770 (setgid) instead of owner-only, for a
+    pool shared by several users of one group."""
     redis_ttl_s: float | None = None
     redis_timeout_s: float = 1.0
     redis_cluster: bool = False
@@ -97,6 +100,8 @@ class StoreConfig:
         if self.disk_path is not None and self.disk_bytes == 0:
             raise ValueError("disk_bytes: is 0 while disk_path is set; give a budget such as '50GiB' "
                              "or leave disk_path unset to turn the disk tier off")
+        if not isinstance(self.group_access, bool):
+            raise ValueError(f"group_access: expected true/false, got {self.group_access!r}")
         if not isinstance(self.read_timeout_s, (int, float)) or self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s: must be > 0 seconds, got {self.read_timeout_s!r}")
         if self.pool_url is not None:
@@ -154,7 +159,7 @@ _GB_ALIASES = {"max_local_cpu_size": "host_bytes", "max_local_disk_size": "disk_
 _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 _INT_KEYS = {"chunk_tokens", "rank", "world_size", "io_threads", "write_threads", "write_queue_chunks",
              "num_layers", "num_kv_heads", "head_dim"}
-_BOOL_KEYS = {"fsync", "direct_io", "redis_cluster"}
+_BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster"}
 _FLOAT_KEYS = {"read_timeout_s", "redis_timeout_s", "redis_ttl_s"}
 _NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
                   "redis_options"}

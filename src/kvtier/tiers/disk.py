@@ -31,11 +31,15 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False,
-                 direct_io: bool = True) -> None:
+                 direct_io: bool = True, group_access: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
-        self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io)
-        self._lock_fd = os.open(self.files.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io, group_access=group_access)
+        try:
+            self._lock_fd = self.files.create_file(self.files.root / ".lock", os.O_RDWR)
+        except OSError as exc:  # a symlink planted as .lock, a read-only directory
+            raise TierUnavailableError(f"cannot use {self.files.root / '.lock'} as the disk tier's lock file: "
+                                       f"{exc.strerror or exc}") from exc
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

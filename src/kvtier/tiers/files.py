@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ TMP_SUFFIX = ".tmp"
 MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
 
+OWNER_FILE_MODE, OWNER_DIR_MODE = 0o600, 0o700
+# setgid on directories: files and subdirectories created inside inherit the group.
+GROUP_FILE_MODE, GROUP_DIR_MODE = 0o660, 0o2770
+
+_warned_open_roots: set[str] = set()
+
 
 @dataclass(frozen=True)
 class ChunkFile:
@@ -52,16 +59,22 @@ class ChunkFile:
 
 
 class ChunkFiles:
-    """File operations of one chunk directory; safe to share between threads and processes."""
+    """File operations of one chunk directory; safe to share between threads and processes.
+
+    Everything created here is owner-only (files 0o600, directories 0o700) unless
+    ``group_access``: then files are 0o660 and directories 0o2770 (setgid, so the group is
+    inherited), applied with an explicit chmod because the umask may strip group bits.
+    """
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = False,
-                 direct_io: bool = True, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
+                 direct_io: bool = True, group_access: bool = False) -> None:
         self.root = Path(root)
         self._root_str = os.fspath(self.root)
         self.fsync = fsync
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
-        self.file_mode = file_mode
-        self.dir_mode = dir_mode
+        self.group_access = group_access
+        self.file_mode = GROUP_FILE_MODE if group_access else OWNER_FILE_MODE
+        self.dir_mode = GROUP_DIR_MODE if group_access else OWNER_DIR_MODE
         if create:
             self._ensure_root()
 
@@ -69,7 +82,12 @@ class ChunkFiles:
         from kvtier.errors import TierUnavailableError
 
         try:
-            self.root.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.make_dir(self.root)
+            except FileExistsError:
+                pass  # a file in its place fails the marker write below
+            self._warn_if_open_to_others()
             marker = self.root / MARKER
             if not marker.exists():
                 self.write_small(marker, json.dumps({"format": 1, "kind": "kvtier-chunks"}).encode())
@@ -82,11 +100,49 @@ class ChunkFiles:
                 "create it and make it writable by this user, or point the setting elsewhere"
             ) from exc
 
+    def _warn_if_open_to_others(self) -> None:
+        """One warning per root and process when "others" have any access to it: a pool that
+        any local user can list or write is a prompt leak (or a poisoning) waiting to happen."""
+        mode = os.stat(self._root_str).st_mode
+        if mode & 0o007 and self._root_str not in _warned_open_roots:
+            _warned_open_roots.add(self._root_str)
+            log.warning("kvtier directory %s has mode %s: other local users can reach it; "
+                        "chmod o-rwx it (kvtier creates its files and directories owner-only, or "
+                        "group-only with group_access)", self._root_str, oct(stat.S_IMODE(mode)))
+
+    def make_dir(self, path: str | os.PathLike[str]) -> None:
+        """``mkdir`` with this directory's mode; raises FileExistsError when it exists."""
+        os.mkdir(path, self.dir_mode)
+        if self.group_access:
+            # mkdir masks the mode with the umask and ignores setgid: set it for real.
+            os.chmod(path, self.dir_mode)
+
+    def create_file(self, path: str | os.PathLike[str], flags: int) -> int:
+        """``os.open(path, flags | O_CREAT | O_NOFOLLOW)`` with this directory's file mode."""
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, self.file_mode)
+        if self.group_access:
+            try:
+                # Only the owner may chmod; a file another member created keeps its own mode.
+                if os.fstat(fd).st_uid == os.geteuid():
+                    os.fchmod(fd, self.file_mode)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
     def write_small(self, path: Path, data: bytes) -> None:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-        tmp.write_bytes(data)
-        os.chmod(tmp, self.file_mode)
-        os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
+        try:
+            try:
+                os.fchmod(fd, self.file_mode)  # exact mode whatever the umask (not a hot path)
+                _write_all(fd, [data])
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
 
     def path_for(self, key: ChunkKey) -> Path:
         return Path(self._path_str(key))
@@ -133,6 +189,8 @@ class ChunkFiles:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
         try:
             try:
+                if self.group_access:
+                    os.fchmod(fd, self.file_mode)  # the umask may have stripped the group bits
                 _write_all(fd, [header, payload, _ZEROS[:pad]])
                 if self.fsync:
                     os.fsync(fd)
@@ -154,7 +212,7 @@ class ChunkFiles:
             raise FileNotFoundError(errno.ENOENT, f"chunk directory {self._root_str} is gone")
         for d in (shard.parent, shard):
             try:
-                os.mkdir(d, self.dir_mode)
+                self.make_dir(d)
             except FileExistsError:
                 pass
 
@@ -239,7 +297,10 @@ class ChunkFiles:
         if path.exists():
             return
         try:
-            path.parent.mkdir(mode=self.dir_mode, exist_ok=True)
+            try:
+                self.make_dir(path.parent)
+            except FileExistsError:
+                pass
             self.write_small(path, json.dumps(info, sort_keys=True).encode())
         except OSError:
             pass  # descriptive only

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId
 from kvtier.metrics import TierMetrics
@@ -60,10 +61,18 @@ class PoolTier:
     name = "pool"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None, *,
-                 fsync: bool = False, direct_io: bool = True, sync_bytes: int | None = None) -> None:
+                 fsync: bool = False, direct_io: bool = True, sync_bytes: int | None = None,
+                 group_access: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
-        self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io)
+        self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io, group_access=group_access)
+        try:
+            # Created here with the directory's file mode (group members must open it too);
+            # a symlink planted in its place is refused, never followed.
+            os.close(self.files.create_file(self.files.root / ".lock", os.O_RDWR))
+        except OSError as exc:
+            raise TierUnavailableError(f"cannot use {self.files.root / '.lock'} as the pool's lock file: "
+                                       f"{exc.strerror or exc}") from exc
         if sync_bytes is None:
             sync_bytes = 64 << 20 if capacity_bytes is None else max(1 << 20, min(256 << 20, capacity_bytes // 32))
         self.sync_bytes = sync_bytes
