@@ -7,16 +7,26 @@ removed only when older than ``tmp_age_s`` (a live writer finishes in well under
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import xxhash
 
-from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, file_bytes_for, payload_checksum, unpack_header
+from kvtier.format import (
+    HEADER_BYTES,
+    PAYLOAD_OFFSET,
+    ChunkError,
+    ChunkFault,
+    ChunkHeader,
+    file_bytes_for,
+    unpack_header,
+)
 from kvtier.keys import recompute_key
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.tiers.files import MARKER, ChunkFiles
@@ -32,28 +42,98 @@ def open_existing(path: str | os.PathLike[str]) -> ChunkFiles:
     return ChunkFiles(root, create=False)
 
 
-def check_file(path: Path) -> ChunkFault | None:
-    """Fully validate one chunk file on its own; None when it is sound."""
+# Payload is hashed in pieces of this size: verify's memory stays bounded whatever a file holds.
+HASH_PIECE_BYTES = 1 << 20
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def _open_regular(path: Path) -> int | ChunkFault:
+    """An fd on ``path`` when it is a regular file, else the fault; never follows a symlink
+    or blocks on a FIFO (the lstat and the fstat both look, in case it was swapped between)."""
     try:
-        data = path.read_bytes()
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return ChunkFault.NOT_A_FILE
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        return ChunkFault.NOT_A_FILE if exc.errno == errno.ELOOP else ChunkFault.TRUNCATED
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
     except OSError:
-        return ChunkFault.TRUNCATED
+        pass
+    os.close(fd)
+    return ChunkFault.NOT_A_FILE
+
+
+def _read_header(fd: int) -> ChunkHeader | ChunkFault:
     try:
-        header = unpack_header(data)
+        head = os.pread(fd, HEADER_BYTES, 0)
+        return unpack_header(head)
     except ChunkError as exc:
         return exc.fault
-    if len(data) != file_bytes_for(header.payload_bytes):
+    except OSError:
         return ChunkFault.TRUNCATED
-    dtype = DTYPES_BY_CODE.get(header.dtype_code)
-    if dtype is None or math.prod(header.shape) * torch.empty((), dtype=dtype).element_size() != header.payload_bytes:
-        return ChunkFault.LAYOUT
-    if payload_checksum(memoryview(data)[PAYLOAD_OFFSET:PAYLOAD_OFFSET + header.payload_bytes]) != header.payload_xxh3:
-        return ChunkFault.PAYLOAD_CHECKSUM
+
+
+def check_file(path: Path) -> ChunkFault | None:
+    """Fully validate one chunk file on its own; None when it is sound.
+
+    Bounded whatever the file: a symlink, FIFO or other non-regular file is NOT_A_FILE
+    (never followed, never waited on), only the 4096-byte header is read before the file's
+    size is checked against the header's payload length, and the payload is hashed in
+    ``HASH_PIECE_BYTES`` pieces. Never raises on the file's contents; an I/O error or a file
+    that vanishes or shrinks midway is TRUNCATED.
+    """
+    opened = _open_regular(path)
+    if isinstance(opened, ChunkFault):
+        return opened
+    fd = opened
+    try:
+        header = _read_header(fd)
+        if isinstance(header, ChunkFault):
+            return header
+        if os.fstat(fd).st_size != file_bytes_for(header.payload_bytes):
+            return ChunkFault.TRUNCATED
+        dtype = DTYPES_BY_CODE.get(header.dtype_code)
+        # Python ints: an absurd shape (5 dims of up to 2**32 - 1) is a big product, not an overflow.
+        if dtype is None or math.prod(header.shape) * dtype.itemsize != header.payload_bytes:
+            return ChunkFault.LAYOUT
+        if _hash_payload(fd, header.payload_bytes) != header.payload_xxh3:
+            return ChunkFault.PAYLOAD_CHECKSUM
+    except (OSError, _Shrunk):
+        return ChunkFault.TRUNCATED
+    finally:
+        os.close(fd)
     key = header.chunk.key
     if path.name != f"{key.hex()}.kvt" or recompute_key(
             header.chunk.parent, header.chunk.tokens_digest, header.chunk.extra_digest) != key:
         return ChunkFault.IDENTITY
     return None
+
+
+class _Shrunk(Exception):
+    """The file ended before its payload did (truncated while being checked)."""
+
+
+def _hash_payload(fd: int, payload_bytes: int) -> int:
+    """xxh3-64 of ``payload_bytes`` from PAYLOAD_OFFSET, read in fixed pieces into one buffer."""
+    digest = xxhash.xxh3_64()
+    piece = memoryview(bytearray(min(HASH_PIECE_BYTES, payload_bytes)))
+    offset, end = PAYLOAD_OFFSET, PAYLOAD_OFFSET + payload_bytes
+    while offset < end:
+        n = os.preadv(fd, [piece[:min(len(piece), end - offset)]], offset)
+        if n == 0:
+            raise _Shrunk
+        digest.update(piece[:n])
+        offset += n
+    return digest.intdigest()
+
+
+def _read_header_and_close(fd: int) -> ChunkHeader | ChunkFault:
+    try:
+        return _read_header(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -80,12 +160,12 @@ def stats(path: str | os.PathLike[str]) -> PoolStats:
         age = now - f.mtime
         out.oldest_age_s = age if out.oldest_age_s is None else max(out.oldest_age_s, age)
         out.newest_age_s = age if out.newest_age_s is None else min(out.newest_age_s, age)
-        try:
-            with open(f.path, "rb") as fh:
-                ns = unpack_header(fh.read(PAYLOAD_OFFSET)).namespace.hex()
-        except (OSError, ChunkError):
+        opened = _open_regular(f.path)
+        header = opened if isinstance(opened, ChunkFault) else _read_header_and_close(opened)
+        if isinstance(header, ChunkFault):
             out.unreadable_headers += 1
             continue
+        ns = header.namespace.hex()
         entry = out.namespaces.setdefault(ns[:16], {"chunks": 0, "bytes": 0, **described.get(ns, {})})
         entry["chunks"] = int(entry["chunks"]) + 1  # type: ignore[call-overload]
         entry["bytes"] = int(entry["bytes"]) + f.size  # type: ignore[call-overload]
@@ -148,3 +228,4 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
     pool = PoolTier(files.root, max_bytes)
     evicted = pool.evict(max_bytes)
     return GcReport(str(files.root), evicted, pool.metrics.snapshot().bytes, removed_tmp)
+

@@ -53,6 +53,8 @@ class ChunkFault(enum.Enum):
     IDENTITY = "identity"
     LAYOUT = "layout"
     PAYLOAD_CHECKSUM = "payload_checksum"
+    NOT_A_FILE = "not_a_file"
+    """A symlink, FIFO, directory or device under a chunk's name: never followed or read."""
 
 
 class ChunkError(ValueError):

@@ -47,6 +47,8 @@ OWNER_FILE_MODE, OWNER_DIR_MODE = 0o600, 0o700
 # setgid on directories: files and subdirectories created inside inherit the group.
 GROUP_FILE_MODE, GROUP_DIR_MODE = 0o660, 0o2770
 
+# Never follow a symlink planted under a chunk's name; never block opening a FIFO.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 _warned_open_roots: set[str] = set()
 
 
@@ -226,12 +228,17 @@ class ChunkFiles:
         any other is read with O_DIRECT, so cold chunks bypass the cache (the host tier keeps
         the copy that matters). One open per read: the O_DIRECT flag is dropped with fcntl
         when the file turns out warm. Raises FileNotFoundError when absent, ChunkError when
-        the bytes are not this chunk, OSError for I/O faults.
+        the bytes are not this chunk (``NOT_A_FILE`` for a symlink, FIFO, directory or device
+        under its name: never followed, never waited on), OSError for I/O faults. Nothing is
+        allocated or read before the file's size equals ``spec.file_bytes``.
         """
         path = self._path_str(cid.key)
         fd = self._open_read(path)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ChunkError(ChunkFault.NOT_A_FILE, f"{os.path.basename(path)}: mode {oct(st.st_mode)}")
+            size = st.st_size
             if size != spec.file_bytes:
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
@@ -267,7 +274,11 @@ class ChunkFiles:
             metrics.add(read_races=1)
             return LoadResult(Status.MISS)
         except ChunkError as exc:
-            self.remove(cid.key)
+            try:
+                self.remove(cid.key)
+            except OSError as rm_exc:
+                # A directory under the name, a read-only share: still a miss, never a crash.
+                log.warning("could not remove bad chunk %s (%s): %s", cid.key.hex()[:12], exc, rm_exc)
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
         except OSError as exc:
@@ -278,16 +289,34 @@ class ChunkFiles:
         return LoadResult(Status.HIT, got)
 
     def _open_read(self, path: str) -> int:
-        if self.direct_io:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
+        """Open a chunk for reading without following a symlink or blocking on a FIFO.
+
+        Raises ChunkError(NOT_A_FILE) for a symlink; the caller checks the file type.
+        """
+        try:
+            if self.direct_io:
+                try:
+                    return os.open(path, _READ_FLAGS | os.O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                fd = os.open(path, _READ_FLAGS)
+                try:
+                    regular = stat.S_ISREG(os.fstat(fd).st_mode)
+                except BaseException:
+                    os.close(fd)
                     raise
-                # tmpfs and some network filesystems refuse O_DIRECT: stop asking.
-                log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
-                self.direct_io = False
-        return os.open(path, os.O_RDONLY)
+                if regular:
+                    # tmpfs and some network filesystems refuse O_DIRECT: stop asking. (A FIFO
+                    # or directory refuses it too, but says nothing about the filesystem.)
+                    log.info("O_DIRECT not supported under %s; using buffered reads", self.root)
+                    self.direct_io = False
+                return fd
+            return os.open(path, _READ_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                raise ChunkError(ChunkFault.NOT_A_FILE, f"{os.path.basename(path)}: a symlink") from None
+            raise
 
     # -- namespaces ---------------------------------------------------------------------------
 
@@ -325,7 +354,7 @@ class ChunkFiles:
         """Unlink a chunk; return the bytes freed (0 if it was already gone)."""
         path = self.path_for(key)
         try:
-            size = os.stat(path).st_size
+            size = os.lstat(path).st_size  # lstat: a symlink is removed, its target untouched
             os.unlink(path)
             return size
         except FileNotFoundError:
