@@ -29,7 +29,7 @@ from kvtier.format import (
 )
 from kvtier.keys import recompute_key
 from kvtier.layout import DTYPES_BY_CODE
-from kvtier.tiers.files import MARKER, ChunkFiles
+from kvtier.tiers.files import MARKER, TMP_SUFFIX, ChunkFiles
 from kvtier.tiers.pool import PoolTier
 
 
@@ -218,7 +218,7 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
     files = open_existing(path)
     removed_tmp = 0
     cutoff = time.time() - tmp_age_s
-    for tmp, mtime in list(files.temp_files()):
+    for tmp, mtime in _temp_files(files):
         if mtime < cutoff:
             try:
                 os.unlink(tmp)
@@ -229,3 +229,24 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
     evicted = pool.evict(max_bytes)
     return GcReport(str(files.root), evicted, pool.metrics.snapshot().bytes, removed_tmp)
 
+
+def _temp_files(files: ChunkFiles) -> list[tuple[Path, float]]:
+    """Every temp file a writer may leave when it dies between create and rename, and its mtime.
+
+    Chunk writes leave theirs in the shard directories; the small files written the same way
+    (``ROOT/.usage`` at every budget sync, the marker, ``ROOT/namespaces/*.json``) leave
+    theirs beside them, where ``ChunkFiles.temp_files`` does not look.
+    """
+    found = list(files.temp_files())
+    for folder in (files.root, files.root / "namespaces"):
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.name.endswith(TMP_SUFFIX) and entry.is_file(follow_symlinks=False):
+                    found.append((Path(entry.path), entry.stat(follow_symlinks=False).st_mtime))
+            except OSError:
+                continue  # removed since the listing
+    return found
