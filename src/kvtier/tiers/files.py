@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
-from kvtier.keys import ChunkId, ChunkKey
+from kvtier.keys import DIGEST_BYTES, ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
@@ -42,6 +42,7 @@ SUFFIX = ".kvt"
 TMP_SUFFIX = ".tmp"
 MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
+_NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
 
 OWNER_FILE_MODE, OWNER_DIR_MODE = 0o600, 0o700
 # setgid on directories: files and subdirectories created inside inherit the group.
@@ -373,13 +374,26 @@ class ChunkFiles:
             pass
 
     def scan(self) -> Iterator[ChunkFile]:
-        """Every published chunk file (never temp files), in directory order."""
+        """Every published chunk file (never temp files), in directory order.
+
+        Only names a chunk can have are listed: 64 lowercase hex digits + ``.kvt`` in the
+        shard directory its key names (``path_for(key)``); anything else planted there is
+        ignored. Sizes and mtimes are the entry's own (``lstat``): a symlink is listed with
+        its own size, so a link to a huge file cannot inflate the pool's total, and reading
+        it fails as NOT_A_FILE so verify and load remove it.
+        """
         for entry in self._entries():
-            if not entry.name.endswith(SUFFIX):
+            name = entry.name
+            if len(name) != _NAME_CHARS or not name.endswith(SUFFIX):
                 continue
+            h = name[: -len(SUFFIX)]
+            shard = os.path.dirname(entry.path)
             try:
-                key = ChunkKey(bytes.fromhex(entry.name[: -len(SUFFIX)]))
-                st = entry.stat()
+                key = ChunkKey(bytes.fromhex(h))
+                if key.hex() != h or os.path.basename(shard) != h[2:4] or \
+                        os.path.basename(os.path.dirname(shard)) != h[:2]:
+                    continue  # upper case, spaces (fromhex skips them) or a misplaced file
+                st = entry.stat(follow_symlinks=False)
             except (ValueError, OSError):
                 continue  # a stray name, or removed since the listing
             yield ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime)
