@@ -39,7 +39,9 @@ def open_existing(path: str | os.PathLike[str]) -> ChunkFiles:
     if not (root / MARKER).is_file():
         raise ValueError(f"{root} is not a kvtier pool or disk directory (no {MARKER} marker); "
                          "check the path (give the directory of pool_url fs://PATH)")
-    return ChunkFiles(root, create=False)
+    # A setgid root is a group pool (group_access): what gc and verify rewrite keeps group modes.
+    group = bool(os.stat(root).st_mode & stat.S_ISGID)
+    return ChunkFiles(root, create=False, group_access=group)
 
 
 # Payload is hashed in pieces of this size: verify's memory stays bounded whatever a file holds.
@@ -189,6 +191,8 @@ def verify(path: str | os.PathLike[str], fix: bool = False,
     report = VerifyReport(str(files.root))
     for f in files.scan():
         fault = check_file(f.path)
+        if fault is not None and not os.path.lexists(f.path):
+            continue  # evicted between the listing and the check (verify runs beside live engines)
         report.checked += 1
         if fault is None:
             report.ok += 1
@@ -225,7 +229,7 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
                 removed_tmp += 1
             except FileNotFoundError:
                 pass
-    pool = PoolTier(files.root, max_bytes)
+    pool = PoolTier(files.root, max_bytes, group_access=files.group_access)
     evicted = pool.evict(max_bytes)
     return GcReport(str(files.root), evicted, pool.metrics.snapshot().bytes, removed_tmp)
 

@@ -591,7 +591,9 @@ class TieredStore:
         self._closed = True
         self._writer.flush()
         self._writer.close()
-        self._io.shutdown(wait=True, cancel_futures=True)
+        # Reads still running are abandoned, not awaited: their callers gave up on them after
+        # read_timeout_s, and a hung filesystem must not hang shutdown (and the metrics after it).
+        self._io.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             tier.close()
 

@@ -68,3 +68,30 @@ def test_gc_removes_temp_files_left_beside_the_usage_file_and_namespaces(tmp_pat
     assert not any(p.exists() for p in stale)
     assert fresh.exists()  # a live writer's, younger than tmp_age_s
     assert (pool / ".usage").exists() and (pool / ".kvtier").exists()
+
+
+def test_verify_beside_an_evictor_skips_chunks_that_vanish_instead_of_calling_them_bad(
+        tmp_path, monkeypatch, tiny):
+    """Regression: a chunk evicted between verify's listing and its check was reported
+    "truncated", so `kvtier pool verify` beside live engines exited 1 for nothing."""
+    pool = PoolTier(tmp_path / "pool", None)
+    for chunk in tiny.chunks(6):
+        pool.store(chunk, tiny.spec())
+    pool.close()
+    real = admin.check_file
+    evicted = []
+
+    def evict_then_check(path):
+        if not evicted:  # an evictor removes the first chunk verify is about to check
+            evicted.append(path)
+            os.unlink(path)
+        return real(path)
+
+    monkeypatch.setattr(admin, "check_file", evict_then_check)
+    report = admin.verify(tmp_path / "pool")
+    assert (report.checked, report.ok, report.bad) == (5, 5, [])
+    # A chunk that is really damaged is still reported.
+    victim = next((tmp_path / "pool").glob("??/??/*.kvt"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    monkeypatch.setattr(admin, "check_file", real)
+    assert [b["fault"] for b in admin.verify(tmp_path / "pool").bad] == ["truncated"]

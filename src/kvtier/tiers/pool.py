@@ -168,7 +168,8 @@ class PoolTier:
 
     @contextmanager
     def _shared_lock(self) -> Iterator[None]:
-        fd = os.open(self.files.root / ".lock", os.O_RDWR | os.O_CREAT, self.files.file_mode)
+        # O_NOFOLLOW: a symlink swapped in for .lock after open is refused (OSError), not followed.
+        fd = os.open(self.files.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self.files.file_mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
