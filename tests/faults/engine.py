@@ -1,0 +1,384 @@
+"""Engine-level fault scenarios: a real vLLM engine (CPU build) serving while the pool misbehaves.
+
+Every scenario compares each request's greedy tokens with a reference run of the same prompt
+in an engine that never loads (``load_policy: never``; the connector is still set, so vLLM's
+CPU thread binding is the same), i.e. with recompute. A request counts as identical when its
+tokens are the same, or when they first differ at a near-tie: each run's token is among the
+other's five most likely, within ``TIE_NATS`` of its top. The random-weight test model is
+close to uniform (top log-probabilities near -9.2, the leaders a bf16 step or two apart), and
+computing from a cached prefix rather than from scratch reorders such leaders: vLLM's own
+prefix cache reorders the same ones, to the same tokens. Anything else is wrong. Faults:
+
+* the pool's filesystem fills up (ENOSPC), is remounted read-only (EROFS), or the pool
+  directory is removed, while the engine serves (root: a size-limited tmpfs);
+* every pool read hangs for 30 s (``inject_faults``): requests must fall back to recompute
+  within ``read_timeout_s``, not wait;
+* tenants: requests with another ``cache_salt`` (or another instance default
+  ``tenant_salt``) must never hit a tenant's chunks, even for identical prompts;
+* two engines share one small pool while ``kvtier pool gc`` evicts beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from faults.harness import FaultRow, Scale, is_root, scenario
+
+RUNNER = Path(__file__).with_name("_engine_plan.py")
+CHUNK = 256
+CHUNK_FILE = CHUNK * 2048 + 4096  # tiny-llama: 2048 KV bytes per token, plus the chunk header
+READ_TIMEOUT_S = 1.0
+HANG_S = 30.0
+TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def make_prompts(n: int, seed: int = 11) -> list[list[int]]:
+    """``n`` unrelated prompts of 3-6 chunks (and a partial one), so each has several chunks."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 31000) for _ in range(rng.randrange(3 * CHUNK + 20, 6 * CHUNK + 200))]
+            for _ in range(n)]
+
+
+@dataclass
+class Run:
+    results: list[dict[str, Any]]
+    actions: list[dict[str, Any]]
+    worker: dict[str, Any] | None
+    seconds: float
+    rc: int = 0
+    stderr: str = ""
+
+
+@dataclass
+class Bench:
+    """A model, the prompts and the reference tokens shared by every engine scenario."""
+
+    workdir: Path
+    n_prompts: int
+    model: Path = field(init=False)
+    prompts: list[list[int]] = field(init=False)
+    _reference: Run | None = None
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.model = self.workdir / "tiny-llama"
+        if not (self.model / "config.json").exists():
+            from kvtier.model import make_model
+
+            make_model(self.model)
+        self.prompts = make_prompts(self.n_prompts)
+
+    def base(self, name: str, **settings: Any) -> dict[str, Any]:
+        """Connector settings: two host DRAM slots (so re-reads come from the pool), always load."""
+        return {"host_bytes": 2 * CHUNK_FILE, "chunk_tokens": CHUNK, "load_policy": "always",
+                "metrics_file": str(self.workdir / f"{name}.metrics"), **settings}
+
+    def start(self, name: str, connector: dict[str, Any], plan: list[dict[str, Any]],
+              loop_s: float | None = None) -> subprocess.Popen[str]:
+        spec = {"model": str(self.model), "out": str(self.workdir / f"{name}.json"), "prompts": self.prompts,
+                "connector": connector, "plan": plan, "loop_s": loop_s}
+        path = self.workdir / f"{name}.spec.json"
+        path.write_text(json.dumps(spec))
+        log = open(self.workdir / f"{name}.log", "w")
+        return subprocess.Popen([sys.executable, str(RUNNER), str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def finish(self, name: str, proc: subprocess.Popen[str], t0: float, timeout_s: float = 900) -> Run:
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        seconds = time.monotonic() - t0
+        log = (self.workdir / f"{name}.log").read_text(errors="replace")
+        out = self.workdir / f"{name}.json"
+        if rc != 0 or not out.exists():
+            return Run([], [], None, seconds, rc or -1, log[-3000:])
+        data = json.loads(out.read_text())
+        worker_path = self.workdir / f"{name}.metrics.worker.json"
+        worker = json.loads(worker_path.read_text()) if worker_path.exists() else None
+        return Run(data["results"], data["actions"], worker, seconds, 0, log[-3000:])
+
+    def run(self, name: str, connector: dict[str, Any], plan: list[dict[str, Any]],
+            loop_s: float | None = None) -> Run:
+        t0 = time.monotonic()
+        return self.finish(name, self.start(name, connector, plan, loop_s), t0)
+
+    def reference(self) -> Run:
+        """Each prompt once, in an engine that never loads: recompute tokens and times."""
+        if self._reference is None:
+            run = self.run("reference", self.base("reference", pool_url=f"fs://{self.workdir / 'ref-pool'}",
+                                                  load_policy="never"),
+                           [{"p": i} for i in range(len(self.prompts))])
+            if run.rc != 0:
+                raise EngineFailed(f"the reference engine failed:\n{run.stderr}")
+            self._reference = run
+        return self._reference
+
+    def compare(self, results: list[dict[str, Any]]) -> tuple[int, int, int]:
+        """(exact, near-tie, wrong) against each request's prompt in the reference run.
+
+        Exact: the same greedy tokens. Near-tie: the first differing token is, in both runs,
+        among the other run's five most likely and within ``TIE_NATS`` of its top (see the
+        module docstring). Wrong: anything else.
+        """
+        ref = {r["p"]: r for r in self.reference().results}
+        exact = tie = 0
+        for r in results:
+            want = ref[r["p"]]
+            if r["tokens"] == want["tokens"]:
+                exact += 1
+            elif _near_tie(r, want):
+                tie += 1
+        return exact, tie, len(results) - exact - tie
+
+
+def _near_tie(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """At the first differing position, each run's token is among the other run's top five
+    and within TIE_NATS of that run's most likely token."""
+    j = next(i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=True)) if a != b)
+    got_top = {int(t): lp for t, lp in got["top"][j]}
+    want_top = {int(t): lp for t, lp in want["top"][j]}
+    a, b = got["tokens"][j], want["tokens"][j]
+    return (a in want_top and want_top[b] - want_top[a] < TIE_NATS
+            and b in got_top and got_top[a] - got_top[b] < TIE_NATS)
+
+
+def _row(bench: Bench, fault: str, injected: int, results: list[dict[str, Any]], run: Run,
+         notes: str, **extra: object) -> FaultRow:
+    exact, tie, wrong = bench.compare(results)
+    if tie:
+        notes += f"; {tie} near-tie flips"
+    return FaultRow(fault, injected, requests=len(results), served=len(results), identical=exact + tie, wrong=wrong,
+                    crashes=int(run.rc != 0), seconds=run.seconds, notes=notes,
+                    extra={"exact": exact, "near_tie": tie, **extra})
+
+
+def _crashed(fault: str, run: Run, requests: int) -> FaultRow:
+    return FaultRow(fault, 1, requests=requests, crashes=1, seconds=run.seconds,
+                    notes=f"engine exited rc={run.rc}: {run.stderr.strip().splitlines()[-1:] }")
+
+
+def _groups(n: int, k: int) -> list[list[int]]:
+    size = max(1, n // k)
+    return [list(range(i * size, (i + 1) * size)) for i in range(k)]
+
+
+def _tier(run: Run, name: str) -> dict[str, Any]:
+    return dict((run.worker or {}).get("tiers", {}).get(name, {}))
+
+
+def _hits(results: list[dict[str, Any]]) -> int:
+    return sum(1 for r in results if r["cached"] > 0)
+
+
+# -- the pool's filesystem breaks while serving ------------------------------------------------
+
+
+def storage_faults(bench: Bench, workdir: Path) -> list[FaultRow]:
+    """One engine; its pool on a 24 MiB tmpfs. Stages: healthy, full, read-only, removed.
+
+    In each stage new prompts are served (their writes hit the fault) and then the healthy
+    stage's prompts are served again after a prefix-cache reset (their reads come from the
+    pool when it can still be read).
+    """
+    mnt = workdir / "poolfs"
+    mnt.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        raise EngineFailed(f"cannot mount a tmpfs at {mnt}: {mount.stderr.strip()}")
+    pool = mnt / "pool"
+    g0, g1, g2, g3 = _groups(len(bench.prompts), 4)
+    q = shlex.quote
+    stages = [
+        ("healthy", None, g0),
+        ("full", f"dd if=/dev/zero of={q(str(mnt / 'filler'))} bs=1M 2>/dev/null; sync", g1),
+        ("read-only", f"rm -f {q(str(mnt / 'filler'))} && mount -o remount,ro {q(str(mnt))}", g2),
+        ("removed", f"mount -o remount,rw {q(str(mnt))} && rm -rf {q(str(pool))}", g3),
+    ]
+    plan: list[dict[str, Any]] = []
+    for stage, action, group in stages:
+        if action:
+            plan.append({"sh": action})
+        plan += [{"p": i, "tag": f"{stage}:new"} for i in group]
+        plan.append({"reset": True})
+        plan += [{"p": i, "tag": f"{stage}:again"} for i in g0]
+    plan.append({"sh": f"test ! -e {q(str(pool))}"})  # the removed pool was not recreated
+    try:
+        run = bench.run("storage", bench.base("storage", pool_url=f"fs://{pool}"), plan)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    if run.rc != 0:
+        return [_crashed("pool filesystem faults while serving", run, len(plan))]
+    pool_m = _tier(run, "pool")
+    counted = (f"pool failed_writes {pool_m.get('failed_writes', '?')}, corrupt_chunks "
+               f"{pool_m.get('corrupt_chunks', '?')} for the whole run")
+    not_recreated = run.actions[-1]["rc"] == 0
+    titles = {"healthy": "(control) healthy pool", "full": "pool filesystem full (ENOSPC) while serving",
+              "read-only": "pool remounted read-only (EROFS) while serving",
+              "removed": "pool directory removed (rm -rf) while serving"}
+    failed_actions = [a for a in run.actions[:-1] if a["rc"] != 0]
+    rows = []
+    for stage, _, _ in stages:
+        results = [r for r in run.results if str(r["tag"]).startswith(f"{stage}:")]
+        again = [r for r in results if r["tag"] == f"{stage}:again"]
+        notes = f"old prompts re-read with hits: {_hits(again)}/{len(again)}"
+        if stage == "removed":
+            notes += f"; pool dir not recreated: {not_recreated}; {counted}"
+        row = _row(bench, titles[stage], 0 if stage == "healthy" else 1, results, run, notes,
+                   hits_again=_hits(again), requests_again=len(again), not_recreated=not_recreated, pool=pool_m)
+        row.control = stage == "healthy"
+        rows.append(row)
+    if failed_actions:
+        # A fault that could not be injected (e.g. remount refused) is reported, not passed.
+        for row in rows[1:]:
+            row.injected = 0
+            row.notes += f"; injection failed: {failed_actions}"
+    return rows[1:] + rows[:1]
+
+
+# -- a pool that hangs ---------------------------------------------------------------------------
+
+
+def hanging_pool(bench: Bench) -> list[FaultRow]:
+    """Every pool read sleeps 30 s (a hung NFS server); reads give up after read_timeout_s."""
+    group = list(range(min(6, len(bench.prompts))))
+    faults = {"pool": {"delay_prob": 1.0, "min_delay_s": HANG_S, "max_delay_s": HANG_S, "ops": ["load"]}}
+    plan = [{"p": i, "tag": "write"} for i in group] + [{"reset": True}] + [{"p": i, "tag": "read"} for i in group]
+    run = bench.run("hanging", bench.base("hanging", pool_url=f"fs://{bench.workdir / 'hanging-pool'}",
+                                          read_timeout_s=READ_TIMEOUT_S, inject_faults=faults), plan)
+    fault = f"every pool read hangs {HANG_S:.0f} s (read_timeout_s={READ_TIMEOUT_S})"
+    if run.rc != 0:
+        return [_crashed(fault, run, len(plan))]
+    reads = [r for r in run.results if r["tag"] == "read"]
+    ref_s = max(r["seconds"] for r in bench.reference().results)
+    bound = READ_TIMEOUT_S + 3 * ref_s + 2.0
+    slowest = max(r["seconds"] for r in reads)
+    timeouts = int(_tier(run, "pool").get("timeouts", 0))
+    row = _row(bench, fault, timeouts, run.results, run,
+               f"slowest re-read {slowest:.2f} s (bound {bound:.2f} s; slowest recompute {ref_s:.2f} s); "
+               f"timeouts counted {timeouts}", slowest_s=slowest, bound_s=bound)
+    if slowest > bound:
+        row.wrong += 1  # a request that waited on the hung tier is the failure this row checks
+        row.notes += "; EXCEEDED THE BOUND"
+    return [row]
+
+
+# -- tenants ----------------------------------------------------------------------------------
+
+
+def tenant_isolation(bench: Bench) -> list[FaultRow]:
+    """Tenant A fills the pool; in a second engine, other tenants send the same prompts."""
+    group = list(range(min(6, len(bench.prompts))))
+    pool = f"fs://{bench.workdir / 'tenant-pool'}"
+    a = bench.run("tenant-a", bench.base("tenant-a", pool_url=pool), [{"p": i, "salt": "tenant-a"} for i in group])
+    plan = ([{"p": i, "salt": "tenant-b", "tag": "salt"} for i in group] + [{"reset": True}]
+            + [{"p": i, "tag": "instance"} for i in group] + [{"reset": True}]
+            + [{"p": i, "salt": "tenant-a", "tag": "owner"} for i in group])
+    b = bench.run("tenant-b", bench.base("tenant-b", pool_url=pool, tenant_salt="instance-b"), plan)
+    if a.rc != 0 or b.rc != 0:
+        return [_crashed("tenant isolation", a if a.rc else b, len(plan))]
+    rows = []
+    for tag, fault in (("salt", "another tenant's cache_salt, same prompts"),
+                       ("instance", "another instance's default tenant_salt, same prompts")):
+        results = [r for r in b.results if r["tag"] == tag]
+        leaked = _hits(results)
+        row = _row(bench, fault, len(results), results, b,
+                   f"requests that hit tenant A's chunks: {leaked} (must be 0)", leaked=leaked)
+        row.wrong += leaked
+        rows.append(row)
+    owner = [r for r in b.results if r["tag"] == "owner"]
+    control = _row(bench, "(control) tenant A's own cache_salt, from the other engine", 0, owner, b,
+                   f"requests with hits: {_hits(owner)}/{len(owner)}", owner_hits=_hits(owner))
+    control.control = True
+    rows.append(control)
+    return rows
+
+
+# -- two engines and gc share one pool --------------------------------------------------------------
+
+
+def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
+    """Two engines loop over the prompts (opposite orders) on one 8 MiB pool for ``minutes``,
+    while ``kvtier pool gc --max-bytes 4MiB`` runs every second beside them."""
+    pool = bench.workdir / "shared-pool"
+    n = len(bench.prompts)
+    connector = {"pool_url": f"fs://{pool}", "pool_bytes": "8MiB"}
+    loop_s = minutes * 60 if minutes > 0 else None
+    t0 = time.monotonic()
+    engines = {name: bench.start(name, bench.base(name, **connector), [{"p": i} for i in order], loop_s)
+               for name, order in (("shared-1", range(n)), ("shared-2", reversed(range(n))))}
+    gc_log = bench.workdir / "gc.log"
+    kvtier = [sys.executable, "-m", "kvtier.cli.main"]
+    gc_runs = 0
+    gc_failures = 0
+    with open(gc_log, "w") as log:
+        while any(p.poll() is None for p in engines.values()):
+            if (pool / ".kvtier").exists():
+                rc = subprocess.run([*kvtier, "pool", "gc", str(pool), "--max-bytes", "4MiB", "--tmp-age", "30",
+                                     "--json"], stdout=log, stderr=log).returncode
+                gc_runs += 1
+                gc_failures += rc != 0
+            time.sleep(1.0)
+    runs = {name: bench.finish(name, proc, t0) for name, proc in engines.items()}
+    verify = subprocess.run([*kvtier, "pool", "verify", str(pool), "--json"], capture_output=True, text=True)
+    bad = len(json.loads(verify.stdout)["bad"]) if verify.stdout.strip() else -1
+    results = [r for run in runs.values() for r in run.results]
+    crashed = sum(run.rc != 0 for run in runs.values())
+    evictions = sum(int(_tier(run, "pool").get("evictions", 0)) for run in runs.values())
+    fault = "two engines share one 8 MiB pool, gc every 1 s"
+    row = _row(bench, fault, gc_runs, results, next(iter(runs.values())),
+               f"{sum(run.results[-1]['pass'] + 1 if run.results else 0 for run in runs.values())} passes, "
+               f"requests with hits {_hits(results)}, pool evictions by engines {evictions}, gc runs {gc_runs} "
+               f"(failed {gc_failures}), verify after: {bad} bad",
+               gc_failures=gc_failures, verify_bad=bad, hits=_hits(results))
+    row.crashes = crashed + gc_failures
+    row.wrong += max(bad, 0) + (bad < 0)
+    row.seconds = time.monotonic() - t0
+    if crashed:
+        row.notes += "; " + "; ".join(f"{name} rc={run.rc}" for name, run in runs.items() if run.rc)
+    return [row]
+
+
+@scenario("vLLM engine: pool filesystem faults, hangs, tenants, two engines + gc", needs_vllm=True)
+def engine_matrix(scale: Scale, workdir: Path) -> list[FaultRow]:
+    bench = Bench(workdir, scale.engine_prompts)
+    bench.reference()
+    rows: list[FaultRow] = []
+    if is_root():
+        rows += storage_faults(bench, workdir)
+    rows += hanging_pool(bench)
+    rows += tenant_isolation(bench)
+    rows += shared_pool_with_gc(bench, scale.engine_minutes)
+    return rows
+
+
+def main() -> None:  # pragma: no cover - a debugging entry point
+    import argparse
+
+    from faults.harness import SCALES, markdown_table
+
+    parser = argparse.ArgumentParser(description="Run the engine fault scenarios once.")
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--scale", choices=sorted(SCALES), default="ci")
+    args = parser.parse_args()
+    print(markdown_table(engine_matrix(SCALES[args.scale], args.workdir)))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
