@@ -226,7 +226,8 @@ def test_a_read_slower_than_read_timeout_ends_the_prefix_in_bounded_time(tiny, t
     pool = PoolTier(tmp_path / "pool", None)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
     host = HostTier(16 * SLOT, tiny.layout, C)
-    store = TieredStore(tiny.config(io_threads=2, read_timeout_s=0.2), tiers=[host, faulty])
+    # tier_cooldown_s=0: every read probes the pool again (test_slow_tier.py covers the cooldown).
+    store = TieredStore(tiny.config(io_threads=2, read_timeout_s=0.2, tier_cooldown_s=0), tiers=[host, faulty])
     try:
         tokens, kv = tiny.tokens(64), tiny.kv(64)
         store.put(tokens, kv)

@@ -65,6 +65,7 @@ class StoreConfig:
     write_threads: int = 1
     write_queue_chunks: int | None = None
     read_timeout_s: float = 10.0
+    tier_cooldown_s: float = 30.0
     fsync: bool = False
     direct_io: bool = True
     group_access: bool = False
@@ -104,6 +105,9 @@ class StoreConfig:
             raise ValueError(f"group_access: expected true/false, got {self.group_access!r}")
         if not isinstance(self.read_timeout_s, (int, float)) or self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s: must be > 0 seconds, got {self.read_timeout_s!r}")
+        if not isinstance(self.tier_cooldown_s, (int, float)) or isinstance(self.tier_cooldown_s, bool) \
+                or self.tier_cooldown_s < 0:
+            raise ValueError(f"tier_cooldown_s: must be >= 0 seconds, got {self.tier_cooldown_s!r}")
         if self.pool_url is not None:
             from kvtier.tiers.pool import parse_pool_url
             from kvtier.tiers.redis import is_redis_url, parse_redis_url
@@ -160,7 +164,7 @@ _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 _INT_KEYS = {"chunk_tokens", "rank", "world_size", "io_threads", "write_threads", "write_queue_chunks",
              "num_layers", "num_kv_heads", "head_dim"}
 _BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster"}
-_FLOAT_KEYS = {"read_timeout_s", "redis_timeout_s", "redis_ttl_s"}
+_FLOAT_KEYS = {"read_timeout_s", "tier_cooldown_s", "redis_timeout_s", "redis_ttl_s"}
 _NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
                   "redis_options"}
 

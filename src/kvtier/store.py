@@ -9,7 +9,9 @@ Contracts:
 * ``iter_chunks`` reads a prefix with up to ``io_threads`` reads in flight and yields chunk i
   while later chunks are still being read. A chunk that turns out missing, corrupt, unreadable
   or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
-  are never returned. Chunks read from a lower tier are promoted to host DRAM.
+  are never returned. A tier that timed out (a read, or a lookup of the pool) is skipped for
+  ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per cooldown.
+  Chunks read from a lower tier are promoted to host DRAM.
 * ``get`` is ``iter_chunks`` assembled into one tensor, or ``KeyError`` if any chunk is gone.
 
 All methods are thread-safe. ``close`` flushes pending writes; use the store as a context
@@ -40,6 +42,7 @@ from kvtier.metrics import TierMetrics, new_registry
 from kvtier.tiers.base import Chunk, Status, Tier, aligned_buffer
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.files import ChunkFiles
+from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import HostTier, Lease
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.tiers.redis import is_redis_url
@@ -199,6 +202,7 @@ class TieredStore:
         self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads)
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
+        self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s)
         self._closed = False
         self.registry: CollectorRegistry = new_registry(
             {"store": self.store_metrics, **{t.name: t.metrics for t in self.tiers}})
@@ -312,7 +316,7 @@ class TieredStore:
             for rank, tier in enumerate(self.tiers):
                 if missed_at.get(rank) == pos:
                     continue  # it just said it lacks this chunk: no second round trip
-                count = tier.lookup(ids[pos:])
+                count = self._guard.lookup(tier, ids[pos:])
                 missed_at[rank] = pos + count
                 if count_metrics:
                     tier.metrics.add(lookups=1, lookup_tokens=(len(ids) - pos) * self.chunk_tokens)
@@ -320,7 +324,8 @@ class TieredStore:
                     faster = self.tiers[:rank]
                     for cid in ids[pos:pos + count]:
                         # A run found low down may still have chunks in a faster tier.
-                        located.append(next((t for t in faster if t.lookup([cid])), tier))
+                        located.append(next((t for t in faster if self._guard.usable(t) and t.lookup([cid])),
+                                            tier))
                     pos += count
                     break
             else:
@@ -400,9 +405,7 @@ class TieredStore:
                     try:
                         name = fut.result(timeout=self.config.read_timeout_s)
                     except cf.TimeoutError:
-                        tier.metrics.add(timeouts=1)
-                        log.warning("read of chunk %d from %s exceeded read_timeout_s=%s; recomputing",
-                                    i, tier.name, self.config.read_timeout_s)
+                        self._guard.trip(tier, f"read of chunk {i}")
                         break
                 if name is None:
                     break
@@ -456,9 +459,7 @@ class TieredStore:
                     try:
                         got = pending.pop(i).result(timeout=self.config.read_timeout_s)
                     except cf.TimeoutError:
-                        tier.metrics.add(timeouts=1)
-                        log.warning("read of chunk %d from %s exceeded read_timeout_s=%s; recomputing",
-                                    i, tier.name, self.config.read_timeout_s)
+                        self._guard.trip(tier, f"read of chunk {i}")
                         return
                 else:
                     got = self._load(ids[i], tier, spec)
@@ -487,6 +488,8 @@ class TieredStore:
                 if lease is not None:
                     return _Loaded(tier.name, lease)
                 continue
+            if not self._guard.usable(tier):
+                continue  # tripped by a timeout (possibly of another read of this load)
             slot = self.host.reserve() if self.host is not None and promote else None
             into = self.host.slot_buffer(slot) if self.host is not None and slot is not None else self._buffers.take()
             result = tier.load(cid, spec, into)
@@ -594,6 +597,7 @@ class TieredStore:
         # Reads still running are abandoned, not awaited: their callers gave up on them after
         # read_timeout_s, and a hung filesystem must not hang shutdown (and the metrics after it).
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._guard.close()
         for tier in self.tiers:
             tier.close()
 

@@ -11,8 +11,8 @@ prefix cache reorders the same ones, to the same tokens. Anything else is wrong.
 
 * the pool's filesystem fills up (ENOSPC), is remounted read-only (EROFS), or the pool
   directory is removed, while the engine serves (root: a size-limited tmpfs);
-* every pool read hangs for 30 s (``inject_faults``): requests must fall back to recompute
-  within ``read_timeout_s``, not wait;
+* every pool read (or lookup and read) hangs for 30 s (``inject_faults``): requests must fall
+  back to recompute within ``read_timeout_s``, not wait;
 * tenants: requests with another ``cache_salt`` (or another instance default
   ``tenant_salt``) must never hit a tenant's chunks, even for identical prompts;
 * two engines share one small pool while ``kvtier pool gc`` evicts beside them.
@@ -254,28 +254,41 @@ def storage_faults(bench: Bench, workdir: Path) -> list[FaultRow]:
 # -- a pool that hangs ---------------------------------------------------------------------------
 
 
-def hanging_pool(bench: Bench) -> list[FaultRow]:
-    """Every pool read sleeps 30 s (a hung NFS server); reads give up after read_timeout_s."""
+def hanging_pool(bench: Bench, ops: tuple[str, ...] = ("load",)) -> list[FaultRow]:
+    """Pool calls in ``ops`` sleep 30 s (a hung NFS server) in the worker and the scheduler;
+    each gives up after read_timeout_s, and the pool is then skipped for tier_cooldown_s."""
     group = list(range(min(6, len(bench.prompts))))
-    faults = {"pool": {"delay_prob": 1.0, "min_delay_s": HANG_S, "max_delay_s": HANG_S, "ops": ["load"]}}
-    plan = [{"p": i, "tag": "write"} for i in group] + [{"reset": True}] + [{"p": i, "tag": "read"} for i in group]
-    run = bench.run("hanging", bench.base("hanging", pool_url=f"fs://{bench.workdir / 'hanging-pool'}",
-                                          read_timeout_s=READ_TIMEOUT_S, inject_faults=faults), plan)
-    fault = f"every pool read hangs {HANG_S:.0f} s (read_timeout_s={READ_TIMEOUT_S})"
-    if run.rc != 0:
-        return [_crashed(fault, run, len(plan))]
-    reads = [r for r in run.results if r["tag"] == "read"]
+    faults = {"pool": {"delay_prob": 1.0, "min_delay_s": HANG_S, "max_delay_s": HANG_S, "ops": list(ops)}}
+    name = "hanging-" + "-".join(ops)
+    # The faults start after the writes: the first pass writes through a healthy pool, then
+    # a second engine (the pool's files are all there) sees it hang.
+    writer = bench.run(f"{name}-writer", bench.base(f"{name}-writer", pool_url=f"fs://{bench.workdir / name}"),
+                       [{"p": i} for i in group])
+    run = bench.run(name, bench.base(name, pool_url=f"fs://{bench.workdir / name}", read_timeout_s=READ_TIMEOUT_S,
+                                     inject_faults=faults), [{"p": i} for i in group])
+    what = "read" if ops == ("load",) else "lookup and read"
+    fault = f"every pool {what} hangs {HANG_S:.0f} s (read_timeout_s={READ_TIMEOUT_S})"
+    if writer.rc != 0 or run.rc != 0:
+        return [_crashed(fault, run if run.rc else writer, len(group))]
     ref_s = max(r["seconds"] for r in bench.reference().results)
     bound = READ_TIMEOUT_S + 3 * ref_s + 2.0
-    slowest = max(r["seconds"] for r in reads)
+    slowest = max(r["seconds"] for r in run.results)
     timeouts = int(_tier(run, "pool").get("timeouts", 0))
-    row = _row(bench, fault, timeouts, run.results, run,
-               f"slowest re-read {slowest:.2f} s (bound {bound:.2f} s; slowest recompute {ref_s:.2f} s); "
-               f"timeouts counted {timeouts}", slowest_s=slowest, bound_s=bound)
+    sched = _tier_of(bench, name, "scheduler", "pool")
+    sched_timeouts = int(sched.get("timeouts", 0))
+    row = _row(bench, fault, timeouts + sched_timeouts, run.results, run,
+               f"slowest request {slowest:.2f} s (bound {bound:.2f} s; slowest recompute {ref_s:.2f} s); "
+               f"timeouts: worker {timeouts}, scheduler {sched_timeouts}; requests with hits {_hits(run.results)}",
+               slowest_s=slowest, bound_s=bound, worker_timeouts=timeouts, scheduler_timeouts=sched_timeouts)
     if slowest > bound:
         row.wrong += 1  # a request that waited on the hung tier is the failure this row checks
         row.notes += "; EXCEEDED THE BOUND"
     return [row]
+
+
+def _tier_of(bench: Bench, name: str, role: str, tier: str) -> dict[str, Any]:
+    path = bench.workdir / f"{name}.metrics.{role}.json"
+    return dict(json.loads(path.read_text()).get("tiers", {}).get(tier, {})) if path.exists() else {}
 
 
 # -- tenants ----------------------------------------------------------------------------------
@@ -361,7 +374,8 @@ def engine_matrix(scale: Scale, workdir: Path) -> list[FaultRow]:
     rows: list[FaultRow] = []
     if is_root():
         rows += storage_faults(bench, workdir)
-    rows += hanging_pool(bench)
+    rows += hanging_pool(bench, ("load",))
+    rows += hanging_pool(bench, ("lookup", "load"))
     rows += tenant_isolation(bench)
     rows += shared_pool_with_gc(bench, scale.engine_minutes)
     return rows

@@ -279,7 +279,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             pool = None
         if pool is not None:
             tiers.append(pool)
-        return TieredStore(self.config, tiers=tiers)
+        store = TieredStore(self.config, tiers=tiers)
+        if self.inject_faults:
+            self._wrap_faulty(store, only_present=True)
+        return store
 
     def _tier_unavailable(self, name: str, exc: TierUnavailableError) -> None:
         """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
@@ -431,13 +434,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.store.host.track_changes()
         self._tier_order = {t.name: i for i, t in enumerate(self.store.tiers)}
 
-    def _wrap_faulty(self, store: TieredStore) -> None:
+    def _wrap_faulty(self, store: TieredStore, only_present: bool = False) -> None:
         """Fault-injection tests only: ``inject_faults: {tier name: FaultyTier options}`` wraps
-        the worker's tiers so delays and errors happen inside a real engine."""
+        the worker's tiers (and the scheduler's lookup view of the pool) so that delays and
+        errors happen inside a real engine."""
         from kvtier.tiers.faulty import FaultyTier
 
         unknown = set(self.inject_faults) - {t.name for t in store.tiers}
-        if unknown:
+        if unknown and not only_present:
             raise ValueError(f"inject_faults: no tier named {sorted(unknown)}; tiers: "
                              f"{[t.name for t in store.tiers]}")
         store.tiers = [FaultyTier(t, **self.inject_faults[t.name]) if t.name in self.inject_faults else t

@@ -59,6 +59,7 @@ def parse_pool_url(url: str) -> str:
 
 class PoolTier:
     name = "pool"
+    may_hang = True  # a network filesystem: lookups are timed (tiers/guard.py)
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None, *,
                  fsync: bool = False, direct_io: bool = True, sync_bytes: int | None = None,
