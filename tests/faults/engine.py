@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -93,14 +94,15 @@ class Bench:
         path = self.workdir / f"{name}.spec.json"
         path.write_text(json.dumps(spec))
         log = open(self.workdir / f"{name}.log", "w")
+        # Its own process group: a kill takes vLLM's EngineCore and workers with it.
         return subprocess.Popen([sys.executable, str(RUNNER), str(path)], stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+                                text=True, start_new_session=True)
 
     def finish(self, name: str, proc: subprocess.Popen[str], t0: float, timeout_s: float = 900) -> Run:
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
         seconds = time.monotonic() - t0
         log = (self.workdir / f"{name}.log").read_text(errors="replace")
