@@ -46,6 +46,13 @@ class EngineFailed(RuntimeError):
     pass
 
 
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def make_prompts(n: int, seed: int = 11) -> list[list[int]]:
     """``n`` unrelated prompts of 3-6 chunks (and a partial one), so each has several chunks."""
     rng = random.Random(seed)
@@ -101,9 +108,11 @@ class Bench:
     def finish(self, name: str, proc: subprocess.Popen[str], t0: float, timeout_s: float = 900) -> Run:
         try:
             rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        except BaseException:  # a timeout, or Ctrl-C: never leave an engine behind
+            _kill_group(proc)
             rc = proc.wait()
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
         seconds = time.monotonic() - t0
         log = (self.workdir / f"{name}.log").read_text(errors="replace")
         out = self.workdir / f"{name}.json"
@@ -341,14 +350,23 @@ def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
     kvtier = [sys.executable, "-m", "kvtier.cli.main"]
     gc_runs = 0
     gc_failures = 0
-    with open(gc_log, "w") as log:
-        while any(p.poll() is None for p in engines.values()):
-            if (pool / ".kvtier").exists():
-                rc = subprocess.run([*kvtier, "pool", "gc", str(pool), "--max-bytes", "4MiB", "--tmp-age", "30",
-                                     "--json"], stdout=log, stderr=log).returncode
-                gc_runs += 1
-                gc_failures += rc != 0
-            time.sleep(1.0)
+    try:
+        with open(gc_log, "w") as log:
+            while any(p.poll() is None for p in engines.values()):
+                if time.monotonic() - t0 > 900 + (loop_s or 0):
+                    for p in engines.values():
+                        _kill_group(p)  # finish() reports them as crashed
+                    break
+                if (pool / ".kvtier").exists():
+                    rc = subprocess.run([*kvtier, "pool", "gc", str(pool), "--max-bytes", "4MiB", "--tmp-age", "30",
+                                         "--json"], stdout=log, stderr=log).returncode
+                    gc_runs += 1
+                    gc_failures += rc != 0
+                time.sleep(1.0)
+    except BaseException:
+        for p in engines.values():
+            _kill_group(p)
+        raise
     runs = {name: bench.finish(name, proc, t0) for name, proc in engines.items()}
     verify = subprocess.run([*kvtier, "pool", "verify", str(pool), "--json"], capture_output=True, text=True)
     bad = len(json.loads(verify.stdout)["bad"]) if verify.stdout.strip() else -1
