@@ -546,9 +546,7 @@ class TieredStore:
                    spec: ChunkSpec) -> PutResult:
         lease: Lease | None = None
         if self.host is not None:
-            existing = self.host.acquire(cid)
-            if existing is not None:
-                existing.release()
+            if self.host.refresh(cid):  # not acquire: a save's presence check is not a read
                 return PutResult(0, 1, 0)
             lease = self.host.put(cid, data)
         if lease is None:  # no host tier, or every slot pinned by in-flight work

@@ -15,7 +15,8 @@ prefix cache reorders the same ones, to the same tokens. Anything else is wrong.
   back to recompute within ``read_timeout_s``, not wait;
 * tenants: requests with another ``cache_salt`` (or another instance default
   ``tenant_salt``) must never hit a tenant's chunks, even for identical prompts;
-* two engines share one small pool while ``kvtier pool gc`` evicts beside them.
+* two engines share one pool half the size of their prompts' chunks while ``kvtier pool gc``
+  evicts beside them.
 """
 
 from __future__ import annotations
@@ -337,11 +338,14 @@ def tenant_isolation(bench: Bench) -> list[FaultRow]:
 
 
 def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
-    """Two engines loop over the prompts (opposite orders) on one 8 MiB pool for ``minutes``,
-    while ``kvtier pool gc --max-bytes 4MiB`` runs every second beside them."""
+    """Two engines loop over the prompts (opposite orders) for ``minutes`` on one pool that
+    holds about half of the prompts' chunks, while ``kvtier pool gc`` evicts it to three
+    quarters of that every second beside them."""
     pool = bench.workdir / "shared-pool"
     n = len(bench.prompts)
-    connector = {"pool_url": f"fs://{pool}", "pool_bytes": "8MiB"}
+    pool_mib = max(8, round(1.2 * n))  # the prompts average about 4.5 chunks of 0.5 MiB
+    gc_mib = pool_mib * 3 // 4
+    connector = {"pool_url": f"fs://{pool}", "pool_bytes": f"{pool_mib}MiB"}
     loop_s = minutes * 60 if minutes > 0 else None
     t0 = time.monotonic()
     engines = {name: bench.start(name, bench.base(name, **connector), [{"p": i} for i in order], loop_s)
@@ -358,8 +362,8 @@ def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
                         _kill_group(p)  # finish() reports them as crashed
                     break
                 if (pool / ".kvtier").exists():
-                    rc = subprocess.run([*kvtier, "pool", "gc", str(pool), "--max-bytes", "4MiB", "--tmp-age", "30",
-                                         "--json"], stdout=log, stderr=log).returncode
+                    rc = subprocess.run([*kvtier, "pool", "gc", str(pool), "--max-bytes", f"{gc_mib}MiB",
+                                         "--tmp-age", "30", "--json"], stdout=log, stderr=log).returncode
                     gc_runs += 1
                     gc_failures += rc != 0
                 time.sleep(1.0)
@@ -373,7 +377,7 @@ def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
     results = [r for run in runs.values() for r in run.results]
     crashed = sum(run.rc != 0 for run in runs.values())
     evictions = sum(int(_tier(run, "pool").get("evictions", 0)) for run in runs.values())
-    fault = "two engines share one 8 MiB pool, gc every 1 s"
+    fault = f"two engines share one {pool_mib} MiB pool, gc to {gc_mib} MiB every 1 s"
     row = _row(bench, fault, gc_runs, results, next(iter(runs.values())),
                f"{sum(run.results[-1]['pass'] + 1 if run.results else 0 for run in runs.values())} passes, "
                f"requests with hits {_hits(results)}, pool evictions by engines {evictions}, gc runs {gc_runs} "

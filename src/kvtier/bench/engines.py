@@ -128,22 +128,51 @@ class Process:
         raise EngineError(f"{self.name} {state}" + (f": {cause}" if cause else "") + f" (log: {self.log})")
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGINT the process group (vLLM shuts down cleanly: kvtier flushes), then SIGKILL."""
+        """SIGINT the server alone (vLLM then shuts its engine down in order: kvtier's worker
+        flushes its writes), wait for the whole process group to exit; escalate to SIGTERM and
+        SIGKILL of the group only past ``timeout_s``.
+
+        Signalling the whole group at once raced vLLM's own teardown: the engine core died
+        before its connector shut down, and the group was killed as soon as the server exited,
+        while a worker could still be flushing.
+        """
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Children that outlived the leader (engine core, workers) share its process group.
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.send_signal(signal.SIGINT)
         except ProcessLookupError:
             pass
+        deadline = time.monotonic() + timeout_s
+        for sig, until in ((None, deadline), (signal.SIGTERM, deadline + 10.0), (signal.SIGKILL, deadline + 20.0)):
+            if sig is not None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+            while time.monotonic() < until and _group_alive(proc.pid):
+                proc.poll()  # reap the leader, so its pid no longer counts
+                time.sleep(0.2)
+            if not _group_alive(proc.pid):
+                break
+        proc.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (a zombie leader aside)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(0) also succeeds for an unreaped zombie leader: look for a live member.
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False

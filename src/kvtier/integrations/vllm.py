@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
+METRICS_INTERVAL_S = 5.0  # how often a running connector rewrites its metrics_file
 
 CONNECTOR_KEYS = {"config", "load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "metrics_file",
                   "inject_faults"}
@@ -240,9 +241,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.prefill_tokens_per_s = float(settings.get("prefill_tokens_per_s", 0.0)) or None
         self.min_load_tokens = int(settings.get("min_load_tokens", 0))
         self.metrics_file = settings.get("metrics_file")
+        self._metrics_written = time.monotonic()
         self.inject_faults: dict[str, dict[str, Any]] = dict(settings.get("inject_faults") or {})
         self._states: dict[str, _RequestState] = {}
-        # Connector-level counters, written to metrics_file at shutdown (per role).
+        # Connector-level counters, written to metrics_file every 5 s and at shutdown (per role).
         self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
                          "unavailable_tiers": 0}
         self._failed_blocks: set[int] = set()
@@ -359,6 +361,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             state.load = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._maybe_write_metrics()
         meta = KVTierMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
@@ -518,6 +521,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.counters["saved_chunks"] += 1
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        self._maybe_write_metrics()
         changes = self.store.host.drain_changes() if self.store is not None and self.store.host else []
         if not changes and not self._worker_reads and not self._prefill_samples:
             return None
@@ -531,21 +535,40 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return failed
 
     def shutdown(self) -> None:
-        """Flush pending writes; with ``metrics_file`` set, the worker writes its counters there."""
+        """Flush pending writes; with ``metrics_file`` set, write the final counters there."""
+        for store in (self.store, self.lookup_store):
+            if store is not None:
+                store.close()
+        self._write_metrics()
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = {"connector": dict(self.counters)}
         if self._role == KVConnectorRole.SCHEDULER:
             snapshot["read_gbps"] = {t: r / 1e9 for t, r in self.read_bytes_per_s.items() if t in self.measured_read}
             snapshot["prefill_tokens_per_s"] = self.prefill_tokens_per_s
         for store in (self.store, self.lookup_store):
             if store is not None:
-                store.close()
                 snapshot.update(store.metrics_snapshot())
-        if self.metrics_file:
-            import json
-            import os
+        return snapshot
 
-            # Temp file + rename: a reader never sees half a file if the process is killed.
-            path = f"{self.metrics_file}.{self._role.name.lower()}.json"
+    def _write_metrics(self) -> None:
+        """``metrics_file.<role>.json``, by temp file + rename (a reader never sees half a file)."""
+        if not self.metrics_file:
+            return
+        import json
+        import os
+
+        self._metrics_written = time.monotonic()
+        path = f"{self.metrics_file}.{self._role.name.lower()}.json"
+        try:
             with open(f"{path}.tmp", "w") as fh:
-                json.dump(snapshot, fh)
+                json.dump(self._metrics_snapshot(), fh)
             os.replace(f"{path}.tmp", path)
+        except OSError as exc:
+            log.warning("kvtier: cannot write metrics_file %s: %s", path, exc)
+
+    def _maybe_write_metrics(self) -> None:
+        # Every few seconds while serving, not only at shutdown: vLLM 0.32 can kill the engine
+        # core before the scheduler's connector shuts down, and operators want live numbers.
+        if self.metrics_file and time.monotonic() - self._metrics_written >= METRICS_INTERVAL_S:
+            self._write_metrics()

@@ -130,6 +130,15 @@ class HostTier:
             self._slots[slot].pins += 1
         return Lease(Chunk(cid, self._view(slot)), lambda: self._unpin(slot))
 
+    def refresh(self, cid: ChunkId) -> bool:
+        """Whether ``cid`` is held, refreshing its LRU position; not a read (nothing counted)."""
+        with self._lock:
+            slot = self._index.get(cid.key)
+            if slot is None or self._slots[slot].id != cid:
+                return False
+            self._index.move_to_end(cid.key)
+            return True
+
     def acquire(self, cid: ChunkId) -> Lease | None:
         """Pin and return a held chunk (refreshing its LRU position), or None."""
         with self._lock:
