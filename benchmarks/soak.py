@@ -84,7 +84,7 @@ from typing import Any
 import yaml
 
 from kvtier.bench.client import LoadClient, Record, Session, Target, Turn
-from kvtier.bench.engines import EngineError, Process, free_port, root_cause
+from kvtier.bench.engines import EngineError, Process, free_port, group_pids, proc_stats, root_cause
 from kvtier.bench.suite import SERVED_NAME, SuiteSpec, engine_argv
 from kvtier.bench.workload import TextMaker, parse_range
 from kvtier.config import parse_bytes
@@ -242,41 +242,13 @@ async def drive(client: LoadClient, contexts: Contexts, args: argparse.Namespace
 # ---------------------------------------------------------------------------------------- /proc
 
 
-def group_pids(pgid: int, live_only: bool = False) -> list[int]:
-    """Processes whose process group is ``pgid`` (the engine runs in a session of its own);
-    ``live_only`` leaves out zombies (exited, not yet reaped)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
-        if int(fields[2]) == pgid and not (live_only and fields[0] in "ZX"):
-            pids.append(int(entry))
-    return sorted(pids)
-
-
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def other_engines(pgid: int) -> int:
     """vLLM processes on this machine outside our engine's group (other people's runs compete
     for the same cores: a slow spell with a non-zero count here is likely theirs)."""
-    n = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1:stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2:].split()
-        n += comm.startswith("VLLM::") and int(fields[2]) != pgid
-    return n
+    return sum(comm.startswith("VLLM::") and int(fields[2]) != pgid for _, comm, fields in proc_stats())
 
 
 class CpuTimes:

@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,29 +150,30 @@ class Process:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     break
-            while time.monotonic() < until and _group_alive(proc.pid):
-                proc.poll()  # reap the leader, so its pid no longer counts
+            while time.monotonic() < until and group_pids(proc.pid, live_only=True):
+                proc.poll()  # reap the leader once it exits
                 time.sleep(0.2)
-            if not _group_alive(proc.pid):
+            if not group_pids(proc.pid, live_only=True):
                 break
         proc.poll()
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` still runs (a zombie leader aside)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # killpg(0) also succeeds for an unreaped zombie leader: look for a live member.
+
+def proc_stats() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, comm, fields after comm: state ppid pgrp ...) of every process in /proc."""
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # exited since the listing
+        yield int(entry), stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+
+
+def group_pids(pgid: int, live_only: bool = False) -> list[int]:
+    """Processes of process group ``pgid``; ``live_only`` leaves out zombies (exited, not
+    yet reaped: killpg still succeeds on those, so it cannot tell a group is done)."""
+    return sorted(pid for pid, _, fields in proc_stats()
+                  if int(fields[2]) == pgid and not (live_only and fields[0] in "ZX"))
