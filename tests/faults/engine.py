@@ -65,7 +65,7 @@ def make_prompts(n: int, seed: int = 11) -> list[list[int]]:
 class Run:
     results: list[dict[str, Any]]
     actions: list[dict[str, Any]]
-    worker: dict[str, Any] | None
+    metrics: dict[str, dict[str, Any]]  # role (worker, scheduler) -> the connector's metrics file
     seconds: float
     rc: int = 0
     stderr: str = ""
@@ -118,11 +118,11 @@ class Bench:
         log = (self.workdir / f"{name}.log").read_text(errors="replace")
         out = self.workdir / f"{name}.json"
         if rc != 0 or not out.exists():
-            return Run([], [], None, seconds, rc or -1, log[-3000:])
+            return Run([], [], {}, seconds, rc or -1, log[-3000:])
         data = json.loads(out.read_text())
-        worker_path = self.workdir / f"{name}.metrics.worker.json"
-        worker = json.loads(worker_path.read_text()) if worker_path.exists() else None
-        return Run(data["results"], data["actions"], worker, seconds, 0, log[-3000:])
+        metrics = {role: json.loads(path.read_text()) for role in ("worker", "scheduler")
+                   if (path := self.workdir / f"{name}.metrics.{role}.json").exists()}
+        return Run(data["results"], data["actions"], metrics, seconds, 0, log[-3000:])
 
     def run(self, name: str, connector: dict[str, Any], plan: list[dict[str, Any]],
             loop_s: float | None = None) -> Run:
@@ -189,8 +189,8 @@ def _groups(n: int, k: int) -> list[list[int]]:
     return [list(range(i * size, (i + 1) * size)) for i in range(k)]
 
 
-def _tier(run: Run, name: str) -> dict[str, Any]:
-    return dict((run.worker or {}).get("tiers", {}).get(name, {}))
+def _tier(run: Run, name: str, role: str = "worker") -> dict[str, Any]:
+    return dict(run.metrics.get(role, {}).get("tiers", {}).get(name, {}))
 
 
 def _hits(results: list[dict[str, Any]]) -> int:
@@ -286,8 +286,7 @@ def hanging_pool(bench: Bench, ops: tuple[str, ...] = ("load",)) -> list[FaultRo
     bound = READ_TIMEOUT_S + 3 * ref_s + 2.0
     slowest = max(r["seconds"] for r in run.results)
     timeouts = int(_tier(run, "pool").get("timeouts", 0))
-    sched = _tier_of(bench, name, "scheduler", "pool")
-    sched_timeouts = int(sched.get("timeouts", 0))
+    sched_timeouts = int(_tier(run, "pool", role="scheduler").get("timeouts", 0))
     row = _row(bench, fault, timeouts + sched_timeouts, run.results, run,
                f"slowest request {slowest:.2f} s (bound {bound:.2f} s; slowest recompute {ref_s:.2f} s); "
                f"timeouts: worker {timeouts}, scheduler {sched_timeouts}; requests with hits {_hits(run.results)}",
@@ -296,11 +295,6 @@ def hanging_pool(bench: Bench, ops: tuple[str, ...] = ("load",)) -> list[FaultRo
         row.wrong += 1  # a request that waited on the hung tier is the failure this row checks
         row.notes += "; EXCEEDED THE BOUND"
     return [row]
-
-
-def _tier_of(bench: Bench, name: str, role: str, tier: str) -> dict[str, Any]:
-    path = bench.workdir / f"{name}.metrics.{role}.json"
-    return dict(json.loads(path.read_text()).get("tiers", {}).get(tier, {})) if path.exists() else {}
 
 
 # -- tenants ----------------------------------------------------------------------------------
