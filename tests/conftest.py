@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier import KVLayout, StoreConfig, TieredStore
-from kvtier.format import ChunkSpec, file_bytes_for
+from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES
 from kvtier.tiers.base import Chunk
@@ -77,6 +77,13 @@ class Tiny:
         c = self.chunk_tokens
         return [Chunk(cid, kv[:, :, i * c:(i + 1) * c].contiguous())
                 for i, cid in enumerate(self.ids(n_chunks, seed))]
+
+    def image(self, chunk: Chunk, spec: ChunkSpec | None = None) -> bytearray:
+        """The exact bytes ChunkFiles writes for ``chunk`` (header, payload, padding)."""
+        spec = spec or self.spec()
+        payload = chunk.payload()
+        header = spec.header_for(chunk.id, payload).pack()
+        return bytearray(header + bytes(payload) + bytes(spec.file_bytes - PAYLOAD_OFFSET - len(payload)))
 
 
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:

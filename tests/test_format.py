@@ -32,14 +32,6 @@ _NDIM_OFFSET = struct.calcsize("<8sHHI32s32s32s32s32sIH")  # byte offset of the 
 _hyp = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def _image(tiny, chunk, spec=None) -> bytearray:
-    """The exact bytes ChunkFiles writes for ``chunk``."""
-    spec = spec or tiny.spec()
-    payload = chunk.payload()
-    header = spec.header_for(chunk.id, payload).pack()
-    return bytearray(header + bytes(payload) + bytes(spec.file_bytes - PAYLOAD_OFFSET - len(payload)))
-
-
 def _fault(fn) -> ChunkFault:
     with pytest.raises(ChunkError) as info:
         fn()
@@ -58,7 +50,7 @@ def test_sizes_are_aligned(tiny):
 def test_file_image_layout(tiny):
     (chunk,) = tiny.chunks(1)
     spec = tiny.spec()
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     assert len(image) == spec.file_bytes
     assert image[:8] == MAGIC  # a fixed binary header, not a pickle
     assert image[PAYLOAD_OFFSET:PAYLOAD_OFFSET + 2048] == bytes(chunk.payload())
@@ -81,7 +73,7 @@ def test_header_round_trip(tiny, extra):
 def test_decode_round_trip(tiny):
     (chunk,) = tiny.chunks(1, seed=9)
     spec = tiny.spec()
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     payload = spec.decode(memoryview(image), chunk.id)
     assert bytes(payload) == bytes(chunk.payload())
     header = unpack_header(image)
@@ -93,7 +85,7 @@ def test_decode_round_trip(tiny):
 def test_truncated(tiny):
     (chunk,) = tiny.chunks(1)
     spec = tiny.spec()
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     assert _fault(lambda: unpack_header(image[:HEADER_STRUCT_BYTES - 1])) is ChunkFault.TRUNCATED
     assert _fault(lambda: unpack_header(b"")) is ChunkFault.TRUNCATED
     short = memoryview(image[:PAYLOAD_OFFSET + 2047])
@@ -102,7 +94,7 @@ def test_truncated(tiny):
 
 def test_bad_magic(tiny):
     (chunk,) = tiny.chunks(1)
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     image[0] ^= 0x01
     assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.BAD_MAGIC
 
@@ -110,7 +102,7 @@ def test_bad_magic(tiny):
 @pytest.mark.parametrize("byte", [8, 20, 100, _FIELDS.size - 1, _FIELDS.size + 3])
 def test_header_bit_flip(tiny, byte):
     (chunk,) = tiny.chunks(1)
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     image[byte] ^= 0x10
     assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.HEADER_CHECKSUM
 
@@ -118,7 +110,7 @@ def test_header_bit_flip(tiny, byte):
 @pytest.mark.parametrize("byte", [PAYLOAD_OFFSET, PAYLOAD_OFFSET + 1000, PAYLOAD_OFFSET + 2047])
 def test_payload_bit_flip(tiny, byte):
     (chunk,) = tiny.chunks(1)
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     image[byte] ^= 0x80
     assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.PAYLOAD_CHECKSUM
 
@@ -127,7 +119,7 @@ def test_wrong_format_version(tiny):
     (chunk,) = tiny.chunks(1)
     spec = tiny.spec()
     future = dataclasses.replace(spec.header_for(chunk.id, chunk.payload()), version=FORMAT_VERSION + 1)
-    image = bytearray(_image(tiny, chunk))
+    image = bytearray(tiny.image(chunk))
     image[:HEADER_BYTES] = future.pack()  # a well-formed header of a format we do not know
     assert _fault(lambda: spec.decode(memoryview(image), chunk.id)) is ChunkFault.VERSION
 
@@ -135,17 +127,17 @@ def test_wrong_format_version(tiny):
 def test_foreign_namespace(tiny):
     (chunk,) = tiny.chunks(1)
     theirs = tiny.spec(tiny.namespace(model_id="another-model"))
-    image = _image(tiny, chunk, theirs)
+    image = tiny.image(chunk, theirs)
     assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.NAMESPACE
 
 
 def test_token_mismatch_is_identity_fault(tiny):
     a, b = tiny.chunks(2)
-    image = _image(tiny, b)  # chunk 1's file read when asking for chunk 0
+    image = tiny.image(b)  # chunk 1's file read when asking for chunk 0
     assert _fault(lambda: tiny.spec().decode(memoryview(image), a.id)) is ChunkFault.IDENTITY
     # Same key but different parent or token digest (a key collision) is caught too.
     forged = dataclasses.replace(a.id, tokens_digest=b.id.tokens_digest)
-    assert _fault(lambda: tiny.spec().decode(memoryview(_image(tiny, a)), forged)) is ChunkFault.IDENTITY
+    assert _fault(lambda: tiny.spec().decode(memoryview(tiny.image(a)), forged)) is ChunkFault.IDENTITY
 
 
 def test_foreign_layout_with_same_namespace(tiny):
@@ -154,7 +146,7 @@ def test_foreign_layout_with_same_namespace(tiny):
     for change in ({"dtype_code": DTYPE_CODES[tiny.layout.dtype] + 1}, {"shape": (2, 2, 16, 4, 4)},
                    {"payload_bytes": 1024}):
         header = dataclasses.replace(spec.header_for(chunk.id, chunk.payload()), **change)
-        image = bytearray(_image(tiny, chunk))
+        image = bytearray(tiny.image(chunk))
         image[:HEADER_BYTES] = header.pack()
         assert _fault(lambda image=image: spec.decode(memoryview(image), chunk.id)) is ChunkFault.LAYOUT
 
@@ -162,7 +154,7 @@ def test_foreign_layout_with_same_namespace(tiny):
 @pytest.mark.parametrize("ndim", [0, 6, 65535])
 def test_bad_ndim_is_layout_fault(tiny, ndim):
     (chunk,) = tiny.chunks(1)
-    body = bytearray(_image(tiny, chunk)[:_FIELDS.size])
+    body = bytearray(tiny.image(chunk)[:_FIELDS.size])
     struct.pack_into("<H", body, _NDIM_OFFSET, ndim)
     header = bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body)))
     assert _fault(lambda: unpack_header(header)) is ChunkFault.LAYOUT
@@ -211,7 +203,7 @@ def test_header_parser_on_self_consistent_random_headers(fields, version, header
 @given(bit=st.integers(0, (HEADER_STRUCT_BYTES + 2048) * 8 - 1))
 def test_any_bit_flip_in_checked_bytes_is_rejected(tiny, bit):
     (chunk,) = tiny.chunks(1)
-    image = _image(tiny, chunk)
+    image = tiny.image(chunk)
     byte = bit // 8 if bit // 8 < HEADER_STRUCT_BYTES else PAYLOAD_OFFSET + bit // 8 - HEADER_STRUCT_BYTES
     image[byte] ^= 1 << (bit % 8)
     with pytest.raises(ChunkError):

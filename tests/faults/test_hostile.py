@@ -56,10 +56,7 @@ _CHECK_OFFSET = _FIELDS.size  # the header checksum follows the fields it covers
 def _image(tiny: Any, seed: int = 0) -> tuple[Any, bytes]:
     """One chunk of the tiny model and the exact bytes ChunkFiles writes for it."""
     (chunk,) = tiny.chunks(1, seed=seed)
-    spec = tiny.spec()
-    payload = bytes(chunk.payload())
-    image = spec.header_for(chunk.id, payload).pack() + payload
-    return chunk, image + bytes(spec.file_bytes - len(image))
+    return chunk, bytes(tiny.image(chunk))
 
 
 def _rechecksum(image: bytearray) -> None:
