@@ -134,15 +134,28 @@ class ChunkFiles:
         return fd
 
     def write_small(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        """Replace a small metadata file (marker, ``.usage``, namespaces) atomically; its mode
+        is set exactly, whatever the umask (not a hot path)."""
+        self._write_replace(path, [data], exact_mode=True, fsync=False)
+
+    def _write_replace(self, final: Path, buffers: list[bytes | memoryview], *, exact_mode: bool,
+                       fsync: bool) -> None:
+        """Write ``buffers`` to a new, uniquely named temp file beside ``final``, then rename it
+        over ``final``: readers see the old file or the whole new one, never a part. With
+        ``fsync`` the data reaches the disk before the rename. On any error the temp file is
+        removed and the error raised (FileNotFoundError: ``final``'s directory is missing)."""
+        tmp = f"{final}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
         try:
             try:
-                os.fchmod(fd, self.file_mode)  # exact mode whatever the umask (not a hot path)
-                _write_all(fd, [data])
+                if exact_mode:
+                    os.fchmod(fd, self.file_mode)  # the umask may have stripped bits
+                _write_all(fd, buffers)
+                if fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, final)
         except BaseException:
             _unlink_quietly(tmp)
             raise
@@ -184,25 +197,12 @@ class ChunkFiles:
         payload = chunk.payload()
         header = spec.header_for(chunk.id, payload).pack()
         pad = spec.file_bytes - PAYLOAD_OFFSET - len(payload)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        buffers: list[bytes | memoryview] = [header, payload, _ZEROS[:pad]]
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
+            self._write_replace(final, buffers, exact_mode=self.group_access, fsync=self.fsync)
         except FileNotFoundError:
-            self._make_shard(final.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
-        try:
-            try:
-                if self.group_access:
-                    os.fchmod(fd, self.file_mode)  # the umask may have stripped the group bits
-                _write_all(fd, [header, payload, _ZEROS[:pad]])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+            self._make_shard(final.parent)  # the first chunk of its shard (or the root is gone)
+            self._write_replace(final, buffers, exact_mode=self.group_access, fsync=self.fsync)
         if self.fsync:
             _fsync_dir(final.parent)
         return spec.file_bytes
@@ -465,7 +465,7 @@ def _set_direct(fd: int, on: bool) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: str | os.PathLike[str]) -> None:
     try:
         os.unlink(path)
     except OSError:
