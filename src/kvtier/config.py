@@ -125,6 +125,31 @@ class StoreConfig:
     def chunk_bytes(self) -> int:
         return self.chunk_tokens * self.layout.bytes_per_token
 
+    def __repr__(self) -> str:
+        # Logged at start by engine integrations: secrets never reach a log line or a repr.
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("redis_password", "tenant_salt") and value:
+                value = "***"
+            elif f.name == "pool_url" and value is not None:
+                value = redact_url(value)
+            elif f.name == "redis_options" and value is not None:
+                value = {k: "***" if _secret_key(k) else v for k, v in dict(value).items()}
+            shown.append(f"{f.name}={value!r}")
+        return f"StoreConfig({', '.join(shown)})"
+
+    __str__ = __repr__
+
+
+def _secret_key(name: str) -> bool:
+    return any(word in name.lower() for word in ("pass", "secret", "token", "key"))
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info replaced by ``***`` (``redis://u:***@host``)."""
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
 
 def _check_redis(c: StoreConfig) -> None:
     if c.pool_bytes is not None:

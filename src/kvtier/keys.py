@@ -135,3 +135,22 @@ def chunk_ids(namespace: Namespace, tokens: TokenIds, extra: bytes = b"",
 def recompute_key(parent: bytes, tokens_digest: bytes, extra_digest: bytes = b"") -> ChunkKey:
     """The key a chunk header's parent and token digest imply (used by `pool verify`)."""
     return ChunkKey(blake3(parent + tokens_digest + extra_digest).digest())
+
+
+def shard_id(cid: ChunkId, shard: int, num_shards: int) -> ChunkId:
+    """The identity of shard ``shard`` of ``num_shards`` of the logical chunk ``cid``.
+
+    With tensor parallelism each rank holds its own slice of a chunk's KV (its KV heads); the
+    slices are stored as separate chunks. A shard keeps the logical chunk's parent and token
+    digest and gets its own extra digest (the logical extra digest, the shard and the shard
+    count), so ``recompute_key`` still verifies it from its header alone, a shard can never be
+    read as another shard or as the whole, and the logical key chain stays rank-independent
+    (the scheduler computes one chain for all ranks). ``num_shards == 1`` returns ``cid``.
+    """
+    if num_shards == 1:
+        return cid
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in [0, {num_shards})")
+    extra = blake3(b"kvtier-shard\0" + cid.extra_digest + shard.to_bytes(4, "little")
+                   + num_shards.to_bytes(4, "little")).digest()
+    return ChunkId(recompute_key(cid.parent, cid.tokens_digest, extra), cid.parent, cid.tokens_digest, extra)

@@ -24,7 +24,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +44,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import HostTier, Lease
+from kvtier.tiers.locate import locate
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.tiers.redis import is_redis_url
 from kvtier.writer import BackgroundWriter
@@ -305,36 +306,11 @@ class TieredStore:
                             self.chunk_tokens)
 
     def _locate(self, ids: Sequence[ChunkId], count_metrics: bool = False) -> list[Tier]:
-        """The tier to read each chunk of the cached prefix from (the fastest that holds it).
+        """The tier to read each chunk of the cached prefix from (``tiers.locate.locate``).
 
         Only public lookups count in the metrics, so a lookup-then-get counts once.
         """
-        located: list[Tier] = []
-        missed_at: dict[int, int] = {}  # tier index -> position of its first miss
-        pos = 0
-        while pos < len(ids):
-            for rank, tier in enumerate(self.tiers):
-                if missed_at.get(rank) == pos:
-                    continue  # it just said it lacks this chunk: no second round trip
-                count = self._guard.lookup(tier, ids[pos:])
-                missed_at[rank] = pos + count
-                if count_metrics:
-                    tier.metrics.add(lookups=1, lookup_tokens=(len(ids) - pos) * self.chunk_tokens)
-                if count:
-                    faster = self.tiers[:rank]
-                    for cid in ids[pos:pos + count]:
-                        # A run found low down may still have chunks in a faster tier.
-                        located.append(next((t for t in faster if self._guard.usable(t) and t.lookup([cid])),
-                                            tier))
-                    pos += count
-                    break
-            else:
-                break
-        for tier in self.tiers if count_metrics else ():
-            hits = sum(1 for t in located if t is tier)
-            if hits:
-                tier.metrics.add(hit_chunks=hits, hit_tokens=hits * self.chunk_tokens)
-        return located
+        return locate(self.tiers, self._guard, ids, count_metrics, self.chunk_tokens)
 
     # -- read -------------------------------------------------------------------------------
 
@@ -532,18 +508,20 @@ class TieredStore:
         return total
 
     def put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None], *,
-                  tenant_salt: str | None = None) -> PutResult:
+                  tenant_salt: str | None = None, skip_tiers: Collection[str] = ()) -> PutResult:
         """Store one chunk whose identity the caller computed (``chunk_ids``).
 
         ``data`` is the chunk (``[layers, 2, chunk_tokens, heads, head_dim]``, any device) or a
         function that fills the store's own buffer of that shape: engine integrations gather
         their paged KV straight into host DRAM that way, with no intermediate copy.
+        ``skip_tiers``: names of lower tiers not to write it to (e.g. the shared pool, for a
+        tensor-parallel rank whose KV another rank already writes there).
         """
         self._check_open()
-        return self._put_chunk(cid, data, self._spec(self._namespace(tenant_salt)))
+        return self._put_chunk(cid, data, self._spec(self._namespace(tenant_salt)), skip_tiers)
 
     def _put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None],
-                   spec: ChunkSpec) -> PutResult:
+                   spec: ChunkSpec, skip_tiers: Collection[str] = ()) -> PutResult:
         lease: Lease | None = None
         if self.host is not None:
             if self.host.refresh(cid):  # not acquire: a save's presence check is not a read
@@ -556,7 +534,7 @@ class TieredStore:
             else:
                 buf.copy_(data)
             lease = Lease(Chunk(cid, buf))
-        lower = [t for t in self.tiers if t is not self.host]
+        lower = [t for t in self.tiers if t is not self.host and t.name not in skip_tiers]
         return PutResult(1, 0, 0 if self._write_down(lease, spec, lower) else 1)
 
     def _write_down(self, lease: Lease, spec: ChunkSpec, tiers: Sequence[Tier]) -> bool:

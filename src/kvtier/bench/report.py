@@ -20,7 +20,6 @@ import io
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.fileio import write_atomic
 from kvtier.jsonl import json_objects
 
 if TYPE_CHECKING:
@@ -360,18 +360,6 @@ def _unique_names(names: Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------- files
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a unique temp file and ``os.replace``: a reader never sees half a report."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _csv_text(records: list[Record]) -> str:
     extra = sorted({k for r in records for k in r} - set(REQUEST_COLUMNS))
     buf = io.StringIO()
@@ -412,7 +400,7 @@ def _write_plots(run: Run, summary: list[Record], out: Path) -> list[Path]:
     def save(fig: Figure, name: str) -> None:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100)
-        _write_atomic(out / name, buf.getvalue())
+        write_atomic(out / name, buf.getvalue())
         written.append(out / name)
 
     for section, entries in sections.items():
@@ -490,9 +478,9 @@ def write_report(run: Run, out: str | os.PathLike[str] | None = None) -> dict[st
     folder.mkdir(parents=True, exist_ok=True)
     runs = summarize(run)
     summary = {"runs": runs, "env": run.env}
-    _write_atomic(folder / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    _write_atomic(folder / "requests.csv", _csv_text(run.records).encode())
-    _write_atomic(folder / "summary.md", render_markdown(run, runs).encode())
+    write_atomic(folder / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_atomic(folder / "requests.csv", _csv_text(run.records).encode())
+    write_atomic(folder / "summary.md", render_markdown(run, runs).encode())
     _write_plots(run, runs, folder)
     return summary
 
@@ -526,7 +514,7 @@ def main(dirs: list[str], out: str | None = None, log: Callable[[str], None] | N
         say(f"wrote report of {name} into {target}")
     comparison = (Path(out) if out is not None else runs[0].path) / "comparison.md"
     comparison.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(comparison, compare(runs).encode())
+    write_atomic(comparison, compare(runs).encode())
     say(f"wrote {comparison}")
     print(comparison)
     return {"runs": summaries, "comparison": str(comparison)}
