@@ -1,60 +1,159 @@
-"""PagedKV: whole KV pages between an engine's paged cache and kvtier chunks, byte-exact."""
+"""PagedKV: whole KV pages between an engine's paged cache and kvtier chunks, byte-exact.
+
+The layouts are built the way vLLM 0.32 builds them (``create_kv_cache_views``: one flat byte
+buffer, per-layer ``as_strided`` views of the logical ``[L, B, H, N, C]`` in a physical stride
+order), on CPU tensors, so every layout a GPU backend can hand the connector is tested here.
+"""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from kvtier.integrations.paged import PagedKV
+from kvtier.integrations.paged import LayoutError, PagedKV, block_runs
 
 BLOCKS, HEADS, BS, D, LAYERS = 10, 2, 4, 8, 3
 
+# vLLM's KVCacheLayout stride orders (logical dims L=0, B=1, H=2, N=3, C=4 in physical order).
+LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),  # HND, the CPU backend's and kvtier's required layout
+    "LBNHC": (0, 1, 3, 2, 4),  # NHD, FlashAttention's default
+    "LHBNC": (0, 2, 1, 3, 4),  # heads outermost within a layer
+    "BLHNC": (1, 0, 2, 3, 4),  # block-outermost across layers (cross-layer blocks)
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def vllm_views(order: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, heads: int = HEADS,
+               content: int = 2 * D, kernel_split: int = 1) -> list[torch.Tensor]:
+    """Per-layer views as vLLM's create_kv_cache_views makes them, over random bytes."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    blocks, tokens = BLOCKS * kernel_split, BS // kernel_split
+    shape = (LAYERS, blocks, heads, tokens, content * elem)  # C in bytes
+    strides, current = [0] * 5, 1
+    for dim in reversed(order):
+        strides[dim] = current
+        current *= shape[dim]
+    raw = torch.randint(0, 256, (current,), dtype=torch.uint8)
+    view = torch.as_strided(raw, shape, strides)
+    return [view[layer].view(dtype) for layer in range(LAYERS)]
+
 
 def cpu_layout() -> list[torch.Tensor]:
-    """vLLM CPU: per layer [num_blocks, kv_heads, 2 * block_size, head_dim]."""
-    return [torch.randn(BLOCKS, HEADS, 2 * BS, D).to(torch.bfloat16) for _ in range(LAYERS)]
+    """vLLM CPU: per layer contiguous [num_blocks, kv_heads, block_size, 2 * head_dim]."""
+    return [torch.randn(BLOCKS, HEADS, BS, 2 * D).to(torch.bfloat16) for _ in range(LAYERS)]
 
 
 def kv_major_layout() -> list[torch.Tensor]:
-    """vLLM GPU FlashAttention: per layer [2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Older FlashAttention: per layer [2, num_blocks, block_size, kv_heads, head_dim]."""
     return [torch.randn(2, BLOCKS, BS, HEADS, D).to(torch.bfloat16) for _ in range(LAYERS)]
 
 
-@pytest.mark.parametrize("make", [cpu_layout, kv_major_layout])
-def test_gather_then_scatter_moves_exact_pages(make) -> None:  # type: ignore[no-untyped-def]
-    src_layers = make()
-    src = PagedKV(src_layers, BLOCKS, BS)
-    chunk = torch.empty(LAYERS, 2, 2 * BS, HEADS, D, dtype=torch.bfloat16)  # 2 blocks per chunk
+def block_bytes(t: torch.Tensor, b: int) -> bytes:
+    """Every byte of block ``b`` of a per-layer tensor, in logical order (the oracle)."""
+    if t.shape[0] == 2 and t.dim() == 5:  # K/V-major
+        return b"".join(t[i, b].contiguous().view(torch.uint8).numpy().tobytes() for i in range(2))
+    if t.shape[0] != BLOCKS:  # kernel blocks
+        k = t.shape[0] // BLOCKS
+        return b"".join(t[b * k + i].contiguous().view(torch.uint8).numpy().tobytes() for i in range(k))
+    return t[b].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def chunk_for(paged: PagedKV, n_blocks: int) -> torch.Tensor:
+    return torch.zeros(n_blocks * paged.block_bytes, dtype=torch.uint8)
+
+
+CASES = {
+    "cpu": cpu_layout,
+    "kv-major": kv_major_layout,
+    **{name: (lambda order=order: vllm_views(order)) for name, order in LAYOUTS.items()},
+    "fp8-as-uint8-NHD": lambda: vllm_views(LAYOUTS["LBNHC"], dtype=torch.uint8),
+    "fp8-e4m3-HND": lambda: vllm_views(LAYOUTS["LBHNC"], dtype=torch.float8_e4m3fn),
+    "mla-latent": lambda: vllm_views(LAYOUTS["LBHNC"], heads=1, content=72),
+    "mla-fp8-cross-layer": lambda: vllm_views(LAYOUTS["BLHNC"], dtype=torch.uint8, heads=1, content=72),
+    "kernel-blocks-HND": lambda: vllm_views(LAYOUTS["LBHNC"], kernel_split=2),
+    "kernel-blocks-NHD": lambda: vllm_views(LAYOUTS["LBNHC"], kernel_split=2),
+    "kernel-blocks-cross-layer": lambda: vllm_views(LAYOUTS["BLHNC"], kernel_split=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gather_then_scatter_moves_exact_pages(case: str) -> None:
+    src_layers = CASES[case]()
+    src = PagedKV(src_layers, BLOCKS)
+    assert src.block_bytes == sum(len(block_bytes(t, 0)) for t in src_layers)
+    chunk = chunk_for(src, 2)
     src.gather([7, 2], chunk)
-    dst_layers = [torch.zeros_like(t) for t in src_layers]
-    dst = PagedKV(dst_layers, BLOCKS, BS)
+    dst_layers = CASES[case]()
+    before = [[block_bytes(t, b) for b in range(BLOCKS)] for t in dst_layers]
+    dst = PagedKV(dst_layers, BLOCKS)
     dst.scatter(chunk, [1, 5])
-    for s, d in zip(src_layers, dst_layers, strict=True):
-        if s.shape[0] == 2:
-            s, d = s.transpose(0, 1), d.transpose(0, 1)  # index blocks first
-        assert torch.equal(d[1].view(torch.uint8), s[7].view(torch.uint8))
-        assert torch.equal(d[5].view(torch.uint8), s[2].view(torch.uint8))
-        untouched = [b for b in range(BLOCKS) if b not in (1, 5)]
-        assert not d[untouched].any()
+    for s, d, old in zip(src_layers, dst_layers, before, strict=True):
+        assert block_bytes(d, 1) == block_bytes(s, 7)
+        assert block_bytes(d, 5) == block_bytes(s, 2)
+        for b in set(range(BLOCKS)) - {1, 5}:
+            assert block_bytes(d, b) == old[b], b  # nothing else written, not even a neighbour
+
+
+@pytest.mark.parametrize("case", ["LBNHC", "BLHNC", "kv-major"])
+def test_runs_are_views_of_the_engines_storage_never_copies(case: str) -> None:
+    layers = CASES[case]()
+    for t in layers:
+        for run in block_runs(t, BLOCKS):
+            assert run.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    paged = PagedKV(layers, BLOCKS)
+    chunk = torch.arange(paged.block_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    paged.scatter(chunk, [4])
+    back = chunk_for(paged, 1)
+    PagedKV(layers, BLOCKS).gather([4], back)
+    assert torch.equal(back, chunk)
+
+
+def test_run_counts_follow_the_layout() -> None:
+    assert len(block_runs(vllm_views(LAYOUTS["LBHNC"])[0], BLOCKS)) == 1  # one dense page per block
+    assert len(block_runs(vllm_views(LAYOUTS["LBNHC"])[0], BLOCKS)) == 1
+    assert len(block_runs(vllm_views(LAYOUTS["LHBNC"])[0], BLOCKS)) == HEADS  # a run per head
+    assert len(block_runs(kv_major_layout()[0], BLOCKS)) == 2  # K and V
 
 
 def test_scatter_skips_blocks_marked_none() -> None:
     layers = cpu_layout()
-    paged = PagedKV(layers, BLOCKS, BS)
-    chunk = torch.empty(LAYERS, 2, 2 * BS, HEADS, D, dtype=torch.bfloat16)
+    paged = PagedKV(layers, BLOCKS)
+    chunk = chunk_for(paged, 2)
     paged.gather([3, 4], chunk)
     before = [t.clone() for t in layers]
     paged.scatter(chunk, [None, 8])  # block 0 of the chunk is already computed: leave it
     for b, t in zip(before, layers, strict=True):
         assert torch.equal(t[8], b[4])
-        assert torch.equal(t[[i for i in range(BLOCKS) if i != 8]], b[[i for i in range(BLOCKS) if i != 8]])
+        rest = [i for i in range(BLOCKS) if i != 8]
+        assert torch.equal(t[rest], b[rest])
 
 
-def test_a_chunk_of_the_wrong_size_or_dtype_is_refused() -> None:
-    paged = PagedKV(cpu_layout(), BLOCKS, BS)
+def test_a_chunk_of_the_wrong_size_is_refused() -> None:
+    paged = PagedKV(cpu_layout(), BLOCKS)
     with pytest.raises(ValueError, match="does not hold"):
-        paged.gather([1, 2], torch.empty(LAYERS, 2, BS, HEADS, D, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="does not hold"):
-        paged.gather([1, 2], torch.empty(LAYERS, 2, 2 * BS, HEADS, D, dtype=torch.float16))
-    with pytest.raises(ValueError, match="unsupported KV cache tensor shape"):
-        PagedKV([torch.empty(3, 7)], BLOCKS, BS)
+        paged.gather([1, 2], torch.empty(paged.block_bytes, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("tensor", [torch.empty(3, 7), torch.empty(BLOCKS, 4, 6).transpose(1, 2),
+                                    torch.empty(7)])
+def test_a_tensor_without_addressable_blocks_raises_layout_error(tensor: torch.Tensor) -> None:
+    with pytest.raises(LayoutError):
+        PagedKV([tensor], BLOCKS)
+
+
+def test_every_layout_pair_of_views_covers_disjoint_bytes() -> None:
+    """Across all layers and runs, no byte of the buffer is addressed twice (no aliasing)."""
+    for order in LAYOUTS.values():
+        layers = vllm_views(order)
+        paged = PagedKV(layers, BLOCKS)
+        seen: set[int] = set()
+        for run in paged.runs:
+            base = run.storage_offset()
+            for b, j in itertools.product(range(BLOCKS), (0, run.shape[1] - 1)):
+                addr = base + b * run.stride(0) + j
+                assert addr not in seen
+                seen.add(addr)
