@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from integration import _runs
+
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-ENGINE = Path(__file__).with_name("_engine.py")
 BLOCK, CHUNK = 128, 256
 # These tests check what is loaded and that it is right; whether a load pays off (the default
 # "auto" policy, from measured rates) would make the expected hit counts depend on timing.
@@ -44,19 +45,7 @@ def prompts() -> list[list[int]]:
 
 def run_engine(model: Path, tmp: Path, name: str, connector: dict[str, Any],
                **options: Any) -> tuple[list[dict[str, Any]], dict]:
-    spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts(),
-            "connector": {**connector, "metrics_file": str(tmp / f"{name}.metrics")}, **options}
-    spec_path = tmp / f"{name}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path)], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    if proc.returncode != 0:
-        raise AssertionError(f"engine {name} failed:\n{proc.stderr[-4000:]}")
-    metrics = {}
-    for role in ("scheduler", "worker"):
-        path = tmp / f"{name}.metrics.{role}.json"
-        metrics[role] = json.loads(path.read_text()) if path.exists() else None
-    return json.loads((tmp / f"{name}.json").read_text()), metrics
+    return _runs.run_engine(model, tmp, name, options.pop("prompts", None) or prompts(), connector, **options)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
     python -m kvtier.integrations.engine_run SPEC.json
 
 SPEC: ``{"model": DIR, "out": FILE, "prompts": [[token ids], ...], "max_tokens": 1,
-"connector": null | "kvtier" | "example", "extra": {kv_connector_extra_config}}``.
+"connector": null | "kvtier" | "example", "extra": {kv_connector_extra_config},
+"tensor_parallel_size": 1}``.
 Prompts run one at a time; TTFT is the wall time of a ``generate`` call with
 ``max_tokens=1`` (prefill plus the first token), with nothing else in the engine. Used by
 ``kvtier demo`` and benchmarks/vllm_resume.py, each configuration in a fresh process.
@@ -46,6 +47,9 @@ def main(spec_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Same CPU binding with and without a KV connector (see kvtier.bench.suite).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp > 1:  # vLLM's CPU build needs one core per rank named, or it refuses tensor parallel
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -60,7 +64,8 @@ def main(spec_path: str) -> None:
     longest = max(len(p) for p in spec["prompts"]) + spec.get("max_tokens", 1) + 16
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], enforce_eager=True, max_model_len=max(longest, 2048),
-              max_num_batched_tokens=max(longest, 2048), enable_prefix_caching=True, seed=0, **kwargs)
+              max_num_batched_tokens=max(longest, 2048), enable_prefix_caching=True, seed=0,
+              tensor_parallel_size=tp, **kwargs)
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 1))
     results = []

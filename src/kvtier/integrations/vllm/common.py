@@ -1,0 +1,100 @@
+"""What the scheduler and the workers tell each other, and the helpers both roles use.
+
+The scheduler sends ``KVTierMetadata`` to every worker each step (vLLM pickles it); each
+worker answers with ``KVTierWorkerMeta``, which vLLM folds over the ranks with ``aggregate``.
+Chunk ids in the metadata are *logical*: each rank derives its own shard ids from them
+(``keys.shard_id``), so the metadata does not grow with the tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvtier.fileio import write_atomic
+from kvtier.keys import ChunkId
+
+log = logging.getLogger(__name__)
+
+METRICS_INTERVAL_S = 5.0  # how often a running connector rewrites its metrics_file
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Chunks of one request, and the blocks they map to.
+
+    ``block_ids[j]`` is the vLLM block of the j-th block covered by ``chunk_ids`` (None: leave
+    that block alone, its tokens are already computed or beyond the load).
+    """
+
+    req_id: str
+    chunk_ids: list[ChunkId]
+    block_ids: list[int | None]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One scheduler step's work for every worker: loads before the forward pass, saves after."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+    num_tokens: int = 0  # tokens this step computes (for the worker's prefill rate)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the workers tell the scheduler after a step.
+
+    ``host_changes``: per rank, ``(added, key)`` events of that rank's host tier, oldest first
+    (keys are the rank's shard keys). ``reads``: one ``(tier, bytes, seconds)`` per load, the
+    slowest tier it read from. ``prefill``: ``(tokens, seconds)`` of a forward pass that
+    computed many tokens. ``disabled``: ranks whose connector turned itself off (a KV layout it
+    cannot handle): the scheduler stops reporting hits.
+    """
+
+    host_changes: dict[int, list[tuple[bool, bytes]]] = field(default_factory=dict)
+    reads: list[tuple[str, int, float]] = field(default_factory=list)
+    prefill: list[tuple[int, float]] = field(default_factory=list)
+    disabled: list[int] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Fold another rank's report into this one (vLLM calls it over all ranks)."""
+        if isinstance(other, KVTierWorkerMeta):
+            for rank, changes in other.host_changes.items():
+                self.host_changes.setdefault(rank, []).extend(changes)
+            self.reads.extend(other.reads)
+            self.prefill.extend(other.prefill)
+            self.disabled.extend(other.disabled)
+        return self
+
+
+class MetricsFile:
+    """``<base>.<role>.json``, rewritten every few seconds while serving and at shutdown.
+
+    Every few seconds, not only at shutdown: vLLM 0.32 can kill the engine core before the
+    scheduler's connector shuts down, and operators want live numbers.
+    """
+
+    def __init__(self, base: str | None, role: str, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.path = f"{base}.{role}.json" if base else None
+        self._snapshot = snapshot
+        self._written = time.monotonic()
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self._written = time.monotonic()
+        try:
+            write_atomic(self.path, json.dumps(self._snapshot()).encode())
+        except OSError as exc:
+            log.warning("kvtier: cannot write metrics_file %s: %s", self.path, exc)
+
+    def maybe_write(self) -> None:
+        if self.path is not None and time.monotonic() - self._written >= METRICS_INTERVAL_S:
+            self.write()

@@ -1,0 +1,236 @@
+"""The connector's settings, validated once, and the deployment it is asked to serve.
+
+``ConnectorConfig`` holds the connector's own settings (the rest of
+``kv_connector_extra_config`` are ``StoreConfig`` settings). ``Deployment`` is what kvtier
+derives from vLLM's config and KV cache config, identically in the scheduler and every worker
+process: the page geometry that sizes a chunk, the tensor-parallel sharding, and the
+``kv_format`` that names the bytes. Anything kvtier cannot serve correctly is refused here, at
+start, with a ``ValueError`` that names the setting and the fix (``UnsupportedDeployment``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.config import StoreConfig, load_settings
+from kvtier.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+LOAD_POLICIES = ("auto", "always", "never")
+REQUIRED_LAYOUT = "LBHNC"
+"""The KV cache layout the connector asks vLLM for (``get_required_kvcache_layout``): each
+layer's block is one dense page, so a block moves as one run. Any other layout vLLM resolves
+still works (``paged.block_runs``), with more, smaller copies."""
+
+
+class UnsupportedDeployment(ValueError):
+    """vLLM is configured in a way kvtier cannot serve correctly; the message says the fix."""
+
+
+def _number(name: str, value: object, *, minimum: float = 0.0, strict: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"kvtier setting {name}: expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"kvtier setting {name}: expected a number, got {value!r}") from None
+    if number < minimum or (strict and number == minimum):
+        raise ValueError(f"kvtier setting {name}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's own settings (units in the names), from ``kv_connector_extra_config``."""
+
+    load_policy: str = "auto"
+    """``auto``: load a hit only when reading it is predicted faster than recomputing it;
+    ``always`` / ``never``: for experiments and tests."""
+    read_gbps: float = 1.0
+    """Prior read bandwidth of the disk and pool tiers (host DRAM: 10x) until measured."""
+    prefill_tokens_per_s: float | None = None
+    """Prior prefill rate; None: measured from the engine's own steps (until then, load)."""
+    min_load_tokens: int = 0
+    """Hits shorter than this are not loaded."""
+    metrics_file: str | None = None
+    """Rewrite ``<metrics_file>.<role>.json`` every 5 s and at shutdown."""
+    config: str | None = None
+    """A kvtier YAML file with store settings (the extra config's own store settings win)."""
+    inject_faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Tests only: ``{tier name: FaultyTier options}``."""
+
+    KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "metrics_file", "config",
+            "inject_faults")
+
+    def __post_init__(self) -> None:
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"kvtier setting load_policy: {self.load_policy!r}; use one of {', '.join(LOAD_POLICIES)}")
+        object.__setattr__(self, "read_gbps", _number("read_gbps", self.read_gbps))
+        if self.prefill_tokens_per_s is not None:
+            rate = _number("prefill_tokens_per_s", self.prefill_tokens_per_s, strict=False)
+            object.__setattr__(self, "prefill_tokens_per_s", rate or None)  # 0 means "measure it"
+        if isinstance(self.min_load_tokens, bool) or not isinstance(self.min_load_tokens, int) \
+                or self.min_load_tokens < 0:
+            raise ValueError(f"kvtier setting min_load_tokens: expected an integer >= 0, got {self.min_load_tokens!r}")
+        for name in ("metrics_file", "config"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise ValueError(f"kvtier setting {name}: expected a file path, got {value!r}")
+        if not isinstance(self.inject_faults, Mapping):
+            raise ValueError(f"kvtier setting inject_faults: expected {{tier: options}}, got {self.inject_faults!r}")
+
+    @classmethod
+    def split(cls, extra: Mapping[str, Any] | None) -> tuple[ConnectorConfig, dict[str, Any]]:
+        """The connector's settings from ``extra``, and the rest (store settings)."""
+        rest = dict(extra or {})
+        mine = {k: rest.pop(k) for k in cls.KEYS if k in rest}
+        return cls(**mine), rest
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one logical chunk is split over tensor-parallel ranks.
+
+    Each of ``num_shards`` shards is stored as its own chunk (``keys.shard_id``). Ranks that
+    hold replicas of the same shard (MLA's latent KV: vLLM's ``max_tp_shards = 1``) all read
+    it, and only the first of them writes it to the shared pool.
+    """
+
+    world_size: int = 1
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size % self.num_shards:
+            raise UnsupportedDeployment(f"KV split into {self.num_shards} shards over {self.world_size} ranks")
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.num_shards
+
+    def shard_of(self, rank: int) -> int:
+        return rank // self.replicas
+
+    def writes_pool(self, rank: int) -> bool:
+        return rank % self.replicas == 0
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What vLLM hands kvtier, as seen identically by the scheduler and every worker."""
+
+    block_size: int
+    num_layers: int
+    layer_block_bytes: int
+    """Bytes of one block of one layer on one rank (vLLM's unpadded page size)."""
+    sharding: Sharding
+    kv_format: str
+    layer_names: tuple[str, ...] = ()
+
+    @property
+    def layout(self) -> KVLayout:
+        """The chunk's shape for the store: pages as bytes (``[layers, 2, tokens, 1, n]`` uint8)."""
+        per_token_bytes, rest = divmod(self.layer_block_bytes, 2 * self.block_size)
+        if rest or per_token_bytes == 0:
+            raise UnsupportedDeployment(f"a KV page of {self.layer_block_bytes} bytes is not a whole number of "
+                                        f"bytes per token for K and V of {self.block_size} tokens")
+        return KVLayout(self.num_layers, 1, per_token_bytes, torch.uint8)
+
+
+def disk_path_of_rank(disk_path: str, rank: int, sharding: Sharding) -> str:
+    """Each tensor-parallel rank has a disk tier directory of its own (it holds its lock)."""
+    return disk_path if sharding.world_size == 1 else os.path.join(disk_path, f"tp{rank}-of-{sharding.world_size}")
+
+
+def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Deployment:
+    """Check that kvtier can serve this vLLM configuration and describe it; else refuse."""
+    transfer = vllm_config.kv_transfer_config
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise UnsupportedDeployment(
+            f"kvtier needs kv_load_failure_policy 'recompute' (vLLM's default is 'fail'; this config has "
+            f"{policy!r}): a chunk that is damaged or evicted between lookup and load would fail the request. "
+            "Add \"kv_load_failure_policy\": \"recompute\" to --kv-transfer-config (kvtier serve sets it).")
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise UnsupportedDeployment("kvtier does not support pipeline_parallel_size > 1 yet (each stage holds "
+                                    "other layers); use tensor parallelism, or run without the connector")
+    if getattr(pc, "decode_context_parallel_size", 1) > 1:
+        raise UnsupportedDeployment("kvtier does not support decode_context_parallel_size > 1 (KV is split by "
+                                    "token across ranks); run without it, or without the connector")
+    if kv_cache_config is None:
+        raise UnsupportedDeployment("vLLM gave the connector no KV cache config (vLLM older than 0.32?)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise UnsupportedDeployment(
+            f"kvtier supports models with one KV cache group; this model has {len(groups)} ({kinds}): a hybrid "
+            "model (sliding window + full attention, or Mamba layers) is not supported yet. Run it without the "
+            "connector.")
+    spec = groups[0].kv_cache_spec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # MLA's spec is one too
+
+    if not isinstance(spec, FullAttentionSpec):
+        # Sliding-window and chunked-local caches free blocks that leave the window, so a
+        # chunk's blocks may no longer hold its KV; Mamba state is not paged by token.
+        raise UnsupportedDeployment(f"kvtier supports full-attention KV caches (incl. MLA); this model's is "
+                                    f"{type(spec).__name__}. Run it without the connector.")
+    page_bytes = spec.real_page_size_bytes
+    tp = pc.tensor_parallel_size
+    max_shards = getattr(spec, "max_tp_shards", None)
+    sharding = Sharding(tp, tp if max_shards is None else max(1, min(tp, max_shards)))
+    layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+              or "unresolved")
+    fmt = kv_format(vllm_config, spec, layout, page_bytes)
+    return Deployment(spec.block_size, len(groups[0].layer_names), page_bytes, sharding, fmt,
+                      tuple(groups[0].layer_names))
+
+
+def kv_format(vllm_config: VllmConfig, spec: Any, layout: str, page_bytes: int) -> str:
+    """Names everything that decides a page's bytes, so different layouts never share chunks.
+
+    Device type, attention backend (when set), CPU instruction set (the CPU backend's page
+    interior depends on it), the resolved KV cache layout, block size, cache dtype, the spec's
+    type and its page size.
+    """
+    device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "unknown"
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend_name = getattr(backend, "name", None) or (str(backend) if backend else "auto")
+    isa = ""
+    if device == "cpu":
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = "-" + str(_get_attn_isa(spec.dtype, spec.block_size, spec.head_size, cache_dtype))
+        except Exception:  # the helper moved: name the build so others never share these chunks
+            import vllm
+
+            isa = f"-unknown-{vllm.__version__}"
+    return (f"vllm-{device}-{backend_name}{isa}-{layout}-bs{spec.block_size}-{cache_dtype}"
+            f"-{type(spec).__name__}-page{page_bytes}")
+
+
+def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_config: VllmConfig,
+                 dep: Deployment, rank: int) -> StoreConfig:
+    """The store of tensor-parallel ``rank`` (its own disk directory; keys in one logical namespace)."""
+    extra = dict(settings)
+    extra.setdefault("chunk_tokens", max(256, dep.block_size))
+    model_id = extra.pop("model_id", vllm_config.model_config.model)
+    config = load_settings(connector.config, **extra, model_id=model_id, layout=dep.layout,
+                           rank=0, world_size=dep.sharding.world_size, kv_format=dep.kv_format)
+    if config.chunk_tokens % dep.block_size:
+        raise ValueError(f"kvtier setting chunk_tokens: {config.chunk_tokens} is not a multiple of vLLM's block "
+                         f"size {dep.block_size}; use e.g. {dep.block_size * max(1, 256 // dep.block_size)}")
+    if config.disk_path is not None:
+        from dataclasses import replace
+
+        config = replace(config, disk_path=disk_path_of_rank(config.disk_path, rank, dep.sharding))
+    return config

@@ -1,0 +1,157 @@
+"""``KVTierConnector``: vLLM's KV connector API, forwarded to the scheduler or the worker role.
+
+vLLM builds one instance in the engine-core process (role SCHEDULER) and one per worker rank
+(role WORKER, beside the KV tensors; a separate process even at world size 1). They share
+nothing but the picklable metadata of ``common.py``. This class only validates the
+configuration (``config.py``: an unsupported deployment is refused here, at start) and
+forwards each call to ``SchedulerRole`` (``scheduler.py``) or ``WorkerRole`` (``worker.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, MetricsFile
+from kvtier.integrations.vllm.config import REQUIRED_LAYOUT, ConnectorConfig, deployment, store_config
+from kvtier.integrations.vllm.scheduler import SchedulerRole
+from kvtier.integrations.vllm.worker import WorkerRole
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, AttributeError):  # no TP group: a single rank
+        return int(vllm_config.parallel_config.rank)
+
+
+class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvtier as a vLLM v1 KV connector; see ``kvtier.integrations.vllm``'s docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.connector_config, settings = ConnectorConfig.split(extra)
+        self.deployment = deployment(vllm_config, kv_cache_config)
+        rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0
+        self.config = store_config(self.connector_config, settings, vllm_config, self.deployment, rank)
+        self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
+                         "unavailable_tiers": 0, "skipped_requests": 0, "resumed_loads": 0, "disabled": 0}
+        self.scheduler: SchedulerRole | None = None
+        self.worker: WorkerRole | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerRole(self.connector_config, self.config, self.deployment, self.counters,
+                                           inject_faults=bool(self.connector_config.inject_faults))
+        else:
+            self.worker = WorkerRole(self.connector_config, self.config, self.deployment, rank, self.counters)
+        # One file per process: "scheduler", "worker" (rank 0), "worker1", ... (other ranks).
+        label = role.name.lower() + (str(rank) if rank else "")
+        self.metrics_file = MetricsFile(self.connector_config.metrics_file, label, self._snapshot)
+        # %s of the configs: their reprs redact secrets (a Redis password, credentials in a URL).
+        log.info("kvtier connector (%s, rank %d of %d): %s; %s; %s", role.name, rank,
+                 self.deployment.sharding.world_size, self.connector_config, self.config, self.deployment)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return REQUIRED_LAYOUT
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        self.metrics_file.maybe_write()
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self.scheduler is not None and isinstance(meta, KVTierWorkerMeta):
+            self.scheduler.update_connector_output(meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request)
+        return False, None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: nothing is owed to anyone if a request goes away
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
+        self.worker.register_kv_caches(kv_caches, num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KVTierMetadata):
+            self.worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KVTierMetadata):
+            self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole chunks are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KVTierMetadata):
+            self.worker.wait_for_save(meta)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        self.metrics_file.maybe_write()
+        return self.worker.report() if self.worker is not None else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def shutdown(self) -> None:
+        """Flush pending writes; with ``metrics_file`` set, write the final counters there."""
+        for role in (self.scheduler, self.worker):
+            if role is not None:
+                role.close()
+        self.metrics_file.write()
+
+    def _snapshot(self) -> dict[str, Any]:
+        snapshot: dict[str, Any] = {"connector": dict(self.counters)}
+        for role in (self.scheduler, self.worker):
+            if role is not None:
+                snapshot.update(role.snapshot())
+        return snapshot

@@ -1,0 +1,366 @@
+"""The connector's scheduler role: what is cached, what to load, what to save.
+
+Runs in vLLM's engine-core process. It holds no KV and no store, only a lookup view of the
+tiers: a mirror of each worker rank's host DRAM keys (``HostView``, fed by the workers'
+reports), each rank's disk directory and the shared pool (file existence, or Redis EXISTS).
+Every method here is called from vLLM's scheduling loop and never reads chunk data.
+
+* Keys: the prompt's tokens in chunks of ``chunk_tokens``, chained in one logical namespace;
+  ``cache_salt`` enters the namespace, a LoRA adapter and multimodal inputs (their hashes and
+  placeholder positions) enter every key. Requests given as prompt embeddings are skipped.
+* With tensor parallelism a chunk is hit only when the shard of every rank is present in a
+  tier that rank can read (its own host DRAM or disk, or the pool).
+* Preemption: a preempted request comes back with nothing computed; when it is rescheduled
+  (vLLM lists it among the resumed requests) its hit is loaded into its new blocks exactly like
+  a new request's.
+* The load decision: a hit is loaded only when reading it is predicted to be faster than
+  recomputing it (``load_policy: auto``), from rates measured in the running engine and sent
+  back by the workers: the prefill rate of steps that computed many tokens and loaded nothing,
+  and each tier's read bandwidth from the workers' own loads. Until measured, ``read_gbps``
+  (host DRAM: 10x) stands in.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from blake3 import blake3
+
+from kvtier.config import StoreConfig
+from kvtier.errors import TierUnavailableError
+from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer
+from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
+from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
+from kvtier.metrics import TierMetrics
+from kvtier.store import open_pool_tier
+from kvtier.tiers.base import Tier, leading_held
+from kvtier.tiers.files import ChunkFiles
+from kvtier.tiers.guard import TierGuard
+from kvtier.tiers.locate import locate
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
+TIER_ORDER = {"host": 0, "disk": 1, "pool": 2, "redis": 2}
+
+
+class HostView:
+    """The scheduler's mirror of the keys one worker rank's host tier holds (lookup only).
+
+    It lags the worker by at most one step; a chunk evicted in between is read from disk or
+    the pool if it is there, and otherwise reported as a failed load that vLLM recomputes: a
+    stale view costs a recompute, never a wrong answer.
+    """
+
+    name = "host"
+
+    def __init__(self) -> None:
+        self.metrics = TierMetrics(self.name)
+        self.keys: set[bytes] = set()
+
+    def apply(self, changes: Sequence[tuple[bool, bytes]]) -> None:
+        for added, key in changes:
+            if added:
+                self.keys.add(key)
+            else:
+                self.keys.discard(key)
+        self.metrics.set(chunks=len(self.keys))
+
+    def lookup(self, ids: Sequence[ChunkId]) -> int:
+        return leading_held(ids, self.keys)
+
+    def close(self) -> None:
+        self.keys.clear()
+
+
+class FileLookup:
+    """Lookup-only view of a chunk directory (a rank's disk tier): no lock, no index."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name = name
+        self.metrics = TierMetrics(name)
+        self.files = ChunkFiles(path, create=False)
+
+    def lookup(self, ids: Sequence[ChunkId]) -> int:
+        return self.files.leading_present(ids)
+
+    def close(self) -> None:
+        return  # holds no handles
+
+
+def request_extra(request: Request) -> bytes | None:
+    """Bytes that change a request's KV beyond its token ids; None: do not serve it from kvtier.
+
+    A LoRA adapter (name and path) and multimodal inputs (each item's content hash and
+    placeholder position) change the KV of the same prompt ids. Requests given as prompt
+    embeddings have no token ids to key them by.
+    """
+    if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
+        return None
+    parts: list[bytes] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora\0{lora.lora_name}\0{getattr(lora, 'lora_path', '')}".encode())
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = feature.mm_position
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or ""
+        parts.append(f"mm\0{ident}\0{pos.offset}\0{pos.length}".encode())
+    return blake3(b"\0\0".join(parts)).digest() if parts else b""
+
+
+@dataclass
+class _Request:
+    chunk_ids: list[ChunkId]  # logical
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0
+    load: tuple[int, int] | None = None  # token range [start, end) to load when next scheduled
+    shard_ids: dict[int, list[ChunkId]] = field(default_factory=dict)
+
+
+class SchedulerRole:
+    """See the module docstring."""
+
+    def __init__(self, connector: ConnectorConfig, store: StoreConfig, dep: Deployment,
+                 counters: dict[str, int], inject_faults: bool = False) -> None:
+        self.connector, self.config, self.dep = connector, store, dep
+        self.counters = counters
+        self.chunk_tokens = store.chunk_tokens
+        self.block_size = dep.block_size
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.namespace = Namespace(store.model_id, store.layout, store.chunk_tokens, 0, store.world_size,
+                                   store.tenant_salt, kv_format=store.kv_format)
+        rate = connector.read_gbps * 1e9
+        # Per-tier read bandwidth: priors until the workers' loads measure it.
+        self.read_bytes_per_s = {"host": HOST_SPEEDUP * rate, "disk": rate, "pool": rate, "redis": rate}
+        self.default_read_bytes_per_s = rate
+        self.measured_read: dict[str, int] = {}
+        self.prefill_tokens_per_s = connector.prefill_tokens_per_s
+        self.disabled = False
+        self._requests: dict[str, _Request] = {}
+        self.guard = TierGuard(store.read_timeout_s, store.tier_cooldown_s)
+        self.host_views: dict[int, HostView] = {}
+        self.rank_tiers: dict[int, list[Tier]] = self._open_views(inject_faults)
+
+    # ---------------------------------------------------------------- the lookup view
+
+    def _open_views(self, inject_faults: bool) -> dict[int, list[Tier]]:
+        pool: Tier | None = None
+        try:
+            pool = open_pool_tier(self.config)
+        except TierUnavailableError as exc:
+            self.tier_unavailable("pool", exc)
+        if pool is not None and inject_faults and pool.name in self.connector.inject_faults:
+            from kvtier.tiers.faulty import FaultyTier
+
+            pool = FaultyTier(pool, **self.connector.inject_faults[pool.name])
+        views: dict[int, list[Tier]] = {}
+        for rank in range(self.dep.sharding.world_size):
+            tiers: list[Tier] = []
+            if self.config.host_bytes > 0:
+                tiers.append(self.host_views.setdefault(rank, HostView()))
+            if self.config.disk_path is not None:
+                tiers.append(FileLookup("disk", disk_path_of_rank(self.config.disk_path, rank, self.dep.sharding)))
+            if pool is not None:
+                tiers.append(pool)
+            views[rank] = tiers
+        return views
+
+    def tier_unavailable(self, name: str, exc: TierUnavailableError) -> None:
+        """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
+        self.counters["unavailable_tiers"] += 1
+        log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
+
+    def _shard_ids(self, state: _Request, rank: int) -> list[ChunkId]:
+        sharding = self.dep.sharding
+        shard = sharding.shard_of(rank)
+        ids = state.shard_ids.get(shard)
+        if ids is None:
+            ids = state.shard_ids[shard] = [shard_id(c, shard, sharding.num_shards) for c in state.chunk_ids]
+        return ids
+
+    def locate(self, state: _Request) -> list[str]:
+        """Tier names of the chunks of the cached prefix (the slowest any rank reads it from)."""
+        names: list[str] | None = None
+        for rank, tiers in self.rank_tiers.items():
+            located = [t.name for t in locate(tiers, self.guard, self._shard_ids(state, rank),
+                                              count_metrics=rank == 0, chunk_tokens=self.chunk_tokens)]
+            if names is None:
+                names = located
+            else:
+                names = [max(a, b, key=lambda n: TIER_ORDER.get(n, 3)) for a, b in zip(names, located, strict=False)]
+            if not names:
+                break
+        return names or []
+
+    # ---------------------------------------------------------------- per request
+
+    def _state(self, request: Request) -> _Request | None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            extra = request_extra(request)
+            if extra is None:
+                self.counters["skipped_requests"] += 1
+                ids: list[ChunkId] = []
+            else:
+                salt = getattr(request, "cache_salt", None)
+                namespace = self.namespace if salt is None else self.namespace.with_salt(salt)
+                ids = chunk_ids(namespace, request.prompt_token_ids, extra)
+            prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
+            state = self._requests[request.request_id] = _Request(ids, prompt_len)
+        return state
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        assert state is not None
+        state.load = None
+        if self.connector.load_policy == "never" or self.disabled or not state.chunk_ids:
+            return 0, False
+        chunk_tiers = self.locate(state)
+        found = len(chunk_tiers) * self.chunk_tokens
+        # vLLM must compute at least one prompt token itself.
+        end = min(found, (state.prompt_len - 1) // self.block_size * self.block_size)
+        ext = end - num_computed_tokens
+        if ext <= 0 or ext < self.connector.min_load_tokens \
+                or not self._pays_off(chunk_tiers, num_computed_tokens, end):
+            return 0, False
+        state.load = (num_computed_tokens, end)
+        return ext, False
+
+    def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
+        """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
+        chunk_bytes = self.config.chunk_bytes  # one rank's shard: ranks read theirs in parallel, and
+        seconds = 0.0                          # the rates they report were measured doing so
+        for i in range(start // self.chunk_tokens, -(-end // self.chunk_tokens)):
+            # Whole chunks are read even when only part of one is needed.
+            seconds += chunk_bytes / self.read_bytes_per_s.get(chunk_tiers[i], self.default_read_bytes_per_s)
+        return seconds
+
+    def _pays_off(self, chunk_tiers: Sequence[str], start: int, end: int) -> bool:
+        if self.connector.load_policy == "always" or self.prefill_tokens_per_s is None:
+            return True  # no prefill rate measured yet (or one set): a hit is presumed faster
+        return self.predicted_load_s(chunk_tiers, start, end) < (end - start) / self.prefill_tokens_per_s
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._state(request)
+        assert state is not None
+        state.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens == 0:
+            state.load = None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        meta = KVTierMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._emit_load(meta, new.req_id, state)
+            self._plan_save(meta, new.req_id, state,
+                            new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # A preempted request, rescheduled: its blocks are all new, and a hit found for
+                # it this step must be loaded into them (else vLLM decodes over stale blocks).
+                if new_blocks is not None:
+                    state.block_ids = list(new_blocks[0])
+                if state.load is not None:
+                    self.counters["resumed_loads"] += 1
+                self._emit_load(meta, req_id, state)
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i]
+            if computed < state.saved_chunks * self.chunk_tokens:
+                # Recomputed from here (a failed load, a preemption): save those chunks again.
+                state.saved_chunks = computed // self.chunk_tokens
+            self._plan_save(meta, req_id, state, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def _emit_load(self, meta: KVTierMetadata, req_id: str, state: _Request) -> None:
+        if state.load is None:
+            return
+        start, end = state.load
+        # Counted here, not per lookup: vLLM asks again for a request it could not schedule yet.
+        self.counters["matched_tokens"] += end - start
+        meta.loads.append(self._transfer(req_id, state, start, end))
+        state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
+        state.load = None
+
+    def _transfer(self, req_id: str, state: _Request, start: int, end: int) -> Transfer:
+        """Chunks covering tokens [start, end); blocks outside that range are left alone."""
+        c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
+        b_lo, b_hi = start // self.block_size, end // self.block_size
+        blocks: list[int | None] = []
+        for b in range(c0 * self.blocks_per_chunk, c1 * self.blocks_per_chunk):
+            blocks.append(state.block_ids[b] if b_lo <= b < b_hi and b < len(state.block_ids) else None)
+        return Transfer(req_id, state.chunk_ids[c0:c1], blocks)
+
+    def _plan_save(self, meta: KVTierMetadata, req_id: str, state: _Request, computed: int) -> None:
+        full = min(computed, state.prompt_len) // self.chunk_tokens
+        full = min(full, len(state.chunk_ids), len(state.block_ids) // self.blocks_per_chunk)
+        if full > state.saved_chunks:
+            meta.saves.append(self._transfer(req_id, state, state.saved_chunks * self.chunk_tokens,
+                                             full * self.chunk_tokens))
+            state.saved_chunks = full
+
+    def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------- the workers' reports
+
+    def update_connector_output(self, meta: KVTierWorkerMeta) -> None:
+        """Apply the workers' report: host tier changes, measured rates, a disabled worker."""
+        if meta.disabled and not self.disabled:
+            self.disabled = True
+            log.error("kvtier: worker rank(s) %s disabled the connector (see their log); no more hits are "
+                      "reported and the engine serves by recomputing", sorted(set(meta.disabled)))
+        for rank, changes in meta.host_changes.items():
+            view = self.host_views.get(rank)
+            if view is not None:
+                view.apply(changes)
+        for tier, nbytes, seconds in meta.reads:
+            if seconds <= 0 or nbytes <= 0:
+                continue
+            rate = nbytes / seconds
+            n = self.measured_read.get(tier, 0)
+            prev = self.read_bytes_per_s.get(tier)
+            self.read_bytes_per_s[tier] = rate if n == 0 or prev is None else 0.7 * prev + 0.3 * rate
+            self.measured_read[tier] = n + 1
+        for tokens, seconds in meta.prefill:
+            if seconds > 0:
+                rate = tokens / seconds
+                prev = self.prefill_tokens_per_s
+                self.prefill_tokens_per_s = rate if prev is None else 0.7 * prev + 0.3 * rate
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def snapshot(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        tiers = {t.name: asdict(t.metrics.snapshot()) for t in self.rank_tiers.get(0, [])}
+        return {"read_gbps": {t: r / 1e9 for t, r in self.read_bytes_per_s.items() if t in self.measured_read},
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
+
+    def close(self) -> None:
+        self.guard.close()
+        closed: set[int] = set()
+        for tiers in self.rank_tiers.values():
+            for tier in tiers:
+                if id(tier) not in closed:
+                    closed.add(id(tier))
+                    tier.close()

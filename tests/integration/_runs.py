@@ -1,0 +1,57 @@
+"""Run ``_engine.py`` in a fresh process and compare greedy outputs the way the fault harness does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ENGINE = Path(__file__).with_name("_engine.py")
+TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10 (see tests/faults/engine.py)
+
+
+class EngineFailed(AssertionError):
+    def __init__(self, name: str, stderr: str) -> None:
+        super().__init__(f"engine {name} failed:\n{stderr[-4000:]}")
+        self.stderr = stderr
+
+
+def run_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
+               timeout_s: float = 900, **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Results and ``{"preemptions": n, "scheduler": ..., "worker": ..., "worker1": ...}`` metrics."""
+    if connector is not None:
+        connector = {**connector, "metrics_file": str(tmp / f"{name}.metrics")}
+    spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts, "connector": connector,
+            **options}
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path)], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    if proc.returncode != 0:
+        raise EngineFailed(name, proc.stderr)
+    out = json.loads((tmp / f"{name}.json").read_text())
+    metrics: dict[str, Any] = {"preemptions": out["preemptions"]}
+    for path in tmp.glob(f"{name}.metrics.*.json"):
+        metrics[path.name.removeprefix(f"{name}.metrics.").removesuffix(".json")] = json.loads(path.read_text())
+    return out["results"], metrics
+
+
+def near_tie(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """At the first differing position, each run's token is among the other run's top five and
+    within TIE_NATS of that run's most likely token (a flip by numerical noise, not a bug)."""
+    j = next(i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=False)) if a != b)
+    got_top = {int(t): lp for t, lp in got["top"][j]}
+    want_top = {int(t): lp for t, lp in want["top"][j]}
+    a, b = got["tokens"][j], want["tokens"][j]
+    return (a in want_top and want_top[b] - want_top[a] < TIE_NATS
+            and b in got_top and got_top[a] - got_top[b] < TIE_NATS)
+
+
+def mismatches(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[int]:
+    """Indices of requests whose output is neither equal to the reference nor a near-tie flip."""
+    assert len(got) == len(want)
+    return [i for i, (g, w) in enumerate(zip(got, want, strict=True))
+            if g["tokens"] != w["tokens"] and not near_tie(g, w)]

@@ -1,0 +1,108 @@
+"""The connector in the deployment shapes users run: KV memory pressure (preemption), tensor
+parallel 2, and vLLM's default failure policy. Real vLLM engines (CPU build), fresh processes.
+
+Outputs are compared with plain vLLM (no connector) under the same configuration. The tiny
+random model is nearly uniform, so a run that computes the same prefix in another order can
+flip a token where its top two log-probabilities are within ~0.02 nats; such a mutual near-tie
+counts as equal (``_runs.near_tie``), a jump to an unrelated distribution does not.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from integration import _runs
+
+if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+BLOCK, CHUNK = 128, 256
+ALWAYS = {"load_policy": "always"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.model import make_model
+
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    make_model(path)
+    return path
+
+
+def long_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 31000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_preempted_requests_resume_with_their_kv_loaded_and_outputs_match_plain_vllm(
+        model: Path, tmp_path: Path) -> None:
+    """10 prompts of 1000-1333 tokens decode 300 tokens each in 44 blocks of 128 tokens: vLLM
+    preempts running requests and reschedules them. kvtier's host tier holds their prompt
+    chunks by then, so each rescheduled request is a hit that must be loaded into its new
+    blocks (before the fix it was reported as hit and never loaded: wrong tokens)."""
+    prompts = long_prompts(10, 1000, 1334, seed=3)
+    pressure = {"num_gpu_blocks_override": 44, "max_model_len": 4096, "batch": True, "max_tokens": 300}
+    plain, plain_metrics = _runs.run_engine(model, tmp_path, "plain", prompts, None, **pressure)
+    got, metrics = _runs.run_engine(model, tmp_path, "kvtier", prompts,
+                                    {"host_bytes": "256MiB", "chunk_tokens": CHUNK, **ALWAYS}, **pressure)
+    assert plain_metrics["preemptions"] > 0 and metrics["preemptions"] > 0
+    sched, worker = metrics["scheduler"]["connector"], metrics["worker"]["connector"]
+    assert sched["resumed_loads"] > 0  # rescheduled requests were served from kvtier
+    assert worker["loaded_tokens"] == sched["matched_tokens"] > 0 and worker["failed_blocks"] == 0
+    assert _runs.mismatches(got, plain) == []
+
+
+@pytest.fixture(scope="module")
+def tp2(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """TP=2 without the connector, then a writer and a fresh reader on one pool (and disk)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    prompts = long_prompts(3, 1300, 2600, seed=5)
+    common = {"host_bytes": "64MiB", "chunk_tokens": CHUNK, "pool_url": f"fs://{tmp / 'pool'}",
+              "disk_path": str(tmp / "disk"), **ALWAYS}
+    out: dict[str, Any] = {"tmp": tmp, "prompts": prompts}
+    for name, connector in (("plain", None), ("writer", common), ("reader", common)):
+        out[name] = _runs.run_engine(model, tmp, name, prompts, connector, tensor_parallel_size=2)
+    return out
+
+
+def test_tp2_outputs_match_plain_vllm_and_a_fresh_engine_hits_every_full_chunk(tp2: dict[str, Any]) -> None:
+    plain, _ = tp2["plain"]
+    writer, _ = tp2["writer"]
+    reader, metrics = tp2["reader"]
+    assert _runs.mismatches(writer, plain) == []
+    assert _runs.mismatches(reader, plain) == []
+    for prompt, result in zip(tp2["prompts"], reader, strict=True):
+        assert result["cached"] == min(len(prompt) // CHUNK * CHUNK, (len(prompt) - 1) // BLOCK * BLOCK)
+    for rank in ("worker", "worker1"):  # both ranks loaded their own shards, none rejected
+        tiers = metrics[rank]["tiers"]
+        assert metrics[rank]["connector"]["loaded_tokens"] == sum(r["cached"] for r in reader)
+        assert metrics[rank]["connector"]["failed_blocks"] == 0
+        assert all(t["corrupt_chunks"] == 0 for t in tiers.values()), tiers
+
+
+def test_tp2_stores_every_ranks_shard_and_never_deletes_one_as_foreign(tp2: dict[str, Any]) -> None:
+    from kvtier.admin import check_file
+
+    tmp, prompts = tp2["tmp"], tp2["prompts"]
+    chunks = sum(len(p) // CHUNK for p in prompts)
+    pool_files = sorted((tmp / "pool").glob("??/??/*.kvt"))
+    assert len(pool_files) == 2 * chunks  # one shard per rank per chunk
+    assert [check_file(f) for f in pool_files] == [None] * len(pool_files)
+    for rank in (0, 1):  # each rank has its own disk directory (and its lock)
+        assert len(list((tmp / "disk" / f"tp{rank}-of-2").glob("??/??/*.kvt"))) == chunks
+    for name in ("writer", "reader"):
+        for rank in ("worker", "worker1"):
+            assert all(t["corrupt_chunks"] == 0 for t in tp2[name][1][rank]["tiers"].values())
+
+
+def test_vllms_default_fail_policy_is_refused_at_start_with_the_fix(model: Path, tmp_path: Path) -> None:
+    with pytest.raises(_runs.EngineFailed) as failed:
+        _runs.run_engine(model, tmp_path, "fail-policy", [[1, 2, 3]], {"pool_url": f"fs://{tmp_path / 'pool'}"},
+                         failure_policy="fail", timeout_s=300)
+    assert "kv_load_failure_policy" in failed.value.stderr
+    assert '"kv_load_failure_policy": "recompute"' in failed.value.stderr

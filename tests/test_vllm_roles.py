@@ -1,0 +1,254 @@
+"""The connector's configuration checks and scheduler logic, without an engine (fast loop).
+
+vLLM's own config types (KV cache specs and groups) are real; requests and scheduler outputs
+are small stand-ins with the attributes the connector reads. Real engines: tests/integration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvtier.config import StoreConfig  # noqa: E402
+from kvtier.integrations.vllm.common import KVTierWorkerMeta  # noqa: E402
+from kvtier.integrations.vllm.config import (  # noqa: E402
+    ConnectorConfig,
+    Sharding,
+    UnsupportedDeployment,
+    deployment,
+    store_config,
+)
+from kvtier.integrations.vllm.scheduler import SchedulerRole, request_extra  # noqa: E402
+from kvtier.keys import shard_id  # noqa: E402
+
+BS, CHUNK, HEADS, HEAD = 16, 32, 2, 8
+
+
+def full_spec(**kw: Any) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, **kw)
+
+
+def kv_config(*specs: Any, layers: int = 2) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"g{g}.l{i}" for i in range(layers)], s) for g, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="LBHNC")
+
+
+def vllm_config(tp: int = 1, pp: int = 1, policy: str = "recompute", extra: dict[str, Any] | None = None) -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy, kv_connector_extra_config=extra or {}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                        decode_context_parallel_size=1, rank=0),
+        cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout=None, block_size=BS),
+        device_config=SimpleNamespace(device_type="cuda"), attention_config=None,
+        model_config=SimpleNamespace(model="tiny"))
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_a_bad_connector_setting_names_itself() -> None:
+    with pytest.raises(ValueError, match="read_gbps: expected a number, got 'fast'"):
+        ConnectorConfig.split({"read_gbps": "fast"})
+    with pytest.raises(ValueError, match="load_policy: 'sometimes'"):
+        ConnectorConfig.split({"load_policy": "sometimes"})
+    with pytest.raises(ValueError, match="min_load_tokens"):
+        ConnectorConfig.split({"min_load_tokens": -1})
+    cfg, rest = ConnectorConfig.split({"read_gbps": "2.5", "pool_url": "fs:///p", "prefill_tokens_per_s": 0})
+    assert cfg.read_gbps == 2.5 and cfg.prefill_tokens_per_s is None and rest == {"pool_url": "fs:///p"}
+
+
+def test_vllms_default_fail_policy_is_refused_with_the_fix() -> None:
+    with pytest.raises(UnsupportedDeployment, match='"kv_load_failure_policy": "recompute"'):
+        deployment(vllm_config(policy="fail"), kv_config(full_spec()))
+
+
+@pytest.mark.parametrize("config, match", [
+    (lambda: kv_config(full_spec(), SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                                                      dtype=torch.bfloat16, sliding_window=64)),
+     "one KV cache group; this model has 2"),
+    (lambda: kv_config(SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                                         dtype=torch.bfloat16, sliding_window=64)), "SlidingWindowSpec"),
+])
+def test_hybrid_and_windowed_models_are_refused_at_start(config: Any, match: str) -> None:
+    with pytest.raises(UnsupportedDeployment, match=match):
+        deployment(vllm_config(), config())
+
+
+def test_pipeline_parallel_is_refused() -> None:
+    with pytest.raises(UnsupportedDeployment, match="pipeline_parallel_size"):
+        deployment(vllm_config(pp=2), kv_config(full_spec()))
+
+
+def test_deployment_names_layout_page_and_backend_and_sizes_chunks_in_page_bytes() -> None:
+    dep = deployment(vllm_config(tp=2), kv_config(full_spec()))
+    page = HEADS * BS * 2 * HEAD * 2  # heads x tokens x (K + V) x bf16
+    assert dep.layer_block_bytes == page and dep.num_layers == 2
+    assert dep.kv_format == f"vllm-cuda-auto-LBHNC-bs{BS}-auto-FullAttentionSpec-page{page}"
+    assert dep.sharding == Sharding(2, 2)
+    assert dep.layout.bytes_per_token * BS == dep.num_layers * page  # a chunk is its pages' bytes
+
+
+def test_mla_kv_is_one_shard_replicated_on_every_rank() -> None:
+    mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=72, dtype=torch.uint8, max_tp_shards=1,
+                           cache_dtype_str="fp8")
+    dep = deployment(vllm_config(tp=4), kv_config(mla))
+    assert dep.sharding == Sharding(4, 1)
+    assert [dep.sharding.shard_of(r) for r in range(4)] == [0, 0, 0, 0]
+    assert [dep.sharding.writes_pool(r) for r in range(4)] == [True, False, False, False]
+    assert dep.layer_block_bytes == BS * 72  # one latent "head", not doubled into K and V
+
+
+def test_each_tp_rank_gets_its_own_disk_directory(tmp_path: Any) -> None:
+    dep = deployment(vllm_config(tp=2), kv_config(full_spec()))
+    cfg, rest = ConnectorConfig.split({"disk_path": str(tmp_path), "chunk_tokens": CHUNK, "host_bytes": 0})
+    paths = {store_config(cfg, rest, vllm_config(tp=2), dep, r).disk_path for r in (0, 1)}
+    assert paths == {str(tmp_path / "tp0-of-2"), str(tmp_path / "tp1-of-2")}
+
+
+def test_no_secret_reaches_a_repr_or_the_connectors_log(caplog: pytest.LogCaptureFixture) -> None:
+    dep = deployment(vllm_config(), kv_config(full_spec()))
+    cfg, rest = ConnectorConfig.split({"pool_url": "redis://app:hunter2@127.0.0.1:6379/0", "redis_password": "s3cr3t",
+                                       "tenant_salt": "tenant-secret", "chunk_tokens": CHUNK})
+    config = store_config(cfg, rest, vllm_config(), dep, 0)
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("kvtier.test").info("kvtier connector: %s; %s; %s", cfg, config, dep)
+    for text in (repr(config), str(config), caplog.text):
+        assert "hunter2" not in text and "s3cr3t" not in text and "tenant-secret" not in text
+        assert "redis://app:***@127.0.0.1:6379/0" in text
+    assert isinstance(config, StoreConfig) and config.redis_password == "s3cr3t"  # kept, only hidden
+
+
+# ---------------------------------------------------------------- keys of a request
+
+
+def request(req_id: str, tokens: list[int] | None, **kw: Any) -> Any:
+    fields = {"request_id": req_id, "prompt_token_ids": tokens, "prompt_embeds": None, "lora_request": None,
+              "mm_features": [], "cache_salt": None}
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def mm(ident: str, offset: int, length: int) -> Any:
+    return SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def test_lora_and_multimodal_inputs_enter_the_keys() -> None:
+    tokens = list(range(100, 200))
+    plain = request_extra(request("a", tokens))
+    lora_a = request_extra(request("b", tokens, lora_request=SimpleNamespace(lora_name="a", lora_path="/a")))
+    lora_b = request_extra(request("c", tokens, lora_request=SimpleNamespace(lora_name="b", lora_path="/b")))
+    img_1 = request_extra(request("d", tokens, mm_features=[mm("img1", 10, 20)]))
+    img_2 = request_extra(request("e", tokens, mm_features=[mm("img2", 10, 20)]))
+    img_1_moved = request_extra(request("f", tokens, mm_features=[mm("img1", 30, 20)]))
+    assert plain == b""  # plain prompts keep the keys they always had
+    assert len({plain, lora_a, lora_b, img_1, img_2, img_1_moved}) == 6
+    assert request_extra(request("g", None, prompt_embeds=torch.zeros(4, 8))) is None
+
+
+# ---------------------------------------------------------------- the scheduler role
+
+
+def make_scheduler(tp: int = 1, extra: dict[str, Any] | None = None) -> tuple[SchedulerRole, dict[str, int]]:
+    dep = deployment(vllm_config(tp=tp), kv_config(full_spec()))
+    cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "host_bytes": "1MiB", "load_policy": "always",
+                                       **(extra or {})})
+    counters = {k: 0 for k in ("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads")}
+    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, 0), dep, counters), counters
+
+
+def held(role: SchedulerRole, req: Any, chunks: int, rank: int = 0) -> None:
+    """Tell the scheduler that ``rank``'s host tier holds the first ``chunks`` chunks of ``req``."""
+    state = role._state(req)
+    assert state is not None
+    sharding = role.dep.sharding
+    ids = [shard_id(c, sharding.shard_of(rank), sharding.num_shards) for c in state.chunk_ids[:chunks]]
+    role.update_connector_output(KVTierWorkerMeta(host_changes={rank: [(True, bytes(c.key)) for c in ids]}))
+
+
+def blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def output(new: list[Any] = (), cached: list[tuple[str, list[int] | None, int]] = (), resumed: set[str] = frozenset(),
+           scheduled: dict[str, int] | None = None) -> Any:
+    cached = list(cached)
+    return SimpleNamespace(
+        total_num_scheduled_tokens=sum((scheduled or {}).values()), scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(resumed),
+                                              new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
+                                              num_computed_tokens=[c[2] for c in cached]),
+        num_scheduled_tokens=scheduled or {}, finished_req_ids=set())
+
+
+def test_a_preempted_request_rescheduled_with_a_hit_gets_its_load() -> None:
+    role, counters = make_scheduler()
+    req = request("r", list(range(1000, 1000 + 4 * CHUNK + 5)))  # 4 full chunks, 8 blocks
+    held(role, req, 4)
+    assert role.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, False)
+    role.update_state_after_alloc(req, blocks(list(range(10, 19))), 4 * CHUNK)
+    first = role.build_connector_meta(output(new=[SimpleNamespace(req_id="r", block_ids=(list(range(10, 19)),),
+                                                                   num_computed_tokens=4 * CHUNK)],
+                                             scheduled={"r": 5}))
+    assert [t.block_ids for t in first.loads] == [list(range(10, 18))]
+    # Preempted while decoding; vLLM frees its blocks, asks again, and reschedules it.
+    assert role.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, False)
+    role.update_state_after_alloc(req, blocks(list(range(40, 49))), 4 * CHUNK)
+    again = role.build_connector_meta(output(cached=[("r", list(range(40, 49)), 4 * CHUNK)], resumed={"r"},
+                                             scheduled={"r": 5}))
+    assert [t.block_ids for t in again.loads] == [list(range(40, 48))]  # into its new blocks
+    assert counters["resumed_loads"] == 1
+    # A running (not resumed) request with new blocks gets no load.
+    later = role.build_connector_meta(output(cached=[("r", [49], 4 * CHUNK + 5)], scheduled={"r": 1}))
+    assert later.loads == []
+
+
+def test_prompt_embeds_requests_are_skipped_and_counted() -> None:
+    role, counters = make_scheduler()
+    req = request("e", None, prompt_embeds=torch.zeros(600, 8))
+    assert role.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert counters["skipped_requests"] == 1
+    role.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="e", block_ids=([1, 2, 3, 4, 5],),
+                                                                  num_computed_tokens=0)], scheduled={"e": 600}))
+    assert meta.saves == [] and meta.loads == []
+
+
+def test_another_lora_adapter_misses_the_same_prompts_chunks() -> None:
+    role, _ = make_scheduler()
+    tokens = list(range(500, 500 + 3 * CHUNK + 1))
+    held(role, request("base", tokens), 3)
+    assert role.get_num_new_matched_tokens(request("same", tokens), 0) == (3 * CHUNK, False)
+    adapted = request("lora", tokens, lora_request=SimpleNamespace(lora_name="x", lora_path="/x"))
+    assert role.get_num_new_matched_tokens(adapted, 0) == (0, False)
+
+
+def test_with_tp2_a_chunk_is_hit_only_when_every_ranks_shard_is_held() -> None:
+    role, _ = make_scheduler(tp=2)
+    req = request("t", list(range(2000, 2000 + 5 * CHUNK + 3)))
+    held(role, req, 5, rank=0)
+    assert role.get_num_new_matched_tokens(req, 0) == (0, False)  # rank 1 holds nothing
+    held(role, req, 3, rank=1)
+    assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+
+
+def test_a_disabled_worker_stops_hits() -> None:
+    role, _ = make_scheduler()
+    req = request("d", list(range(3000, 3000 + 2 * CHUNK + 1)))
+    held(role, req, 2)
+    role.update_connector_output(KVTierWorkerMeta(disabled=[0]))
+    assert role.get_num_new_matched_tokens(req, 0) == (0, False)
