@@ -17,7 +17,7 @@ import torch
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -25,17 +25,17 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvtier.config import StoreConfig  # noqa: E402
-from kvtier.integrations.vllm.common import KVTierWorkerMeta  # noqa: E402
-from kvtier.integrations.vllm.config import (  # noqa: E402
+from kvtier.config import StoreConfig
+from kvtier.integrations.vllm.common import KVTierWorkerMeta
+from kvtier.integrations.vllm.config import (
     ConnectorConfig,
     Sharding,
     UnsupportedDeployment,
     deployment,
     store_config,
 )
-from kvtier.integrations.vllm.scheduler import SchedulerRole, request_extra  # noqa: E402
-from kvtier.keys import shard_id  # noqa: E402
+from kvtier.integrations.vllm.scheduler import SchedulerRole, request_extra
+from kvtier.keys import shard_id
 
 BS, CHUNK, HEADS, HEAD = 16, 32, 2, 8
 
@@ -167,7 +167,7 @@ def make_scheduler(tp: int = 1, extra: dict[str, Any] | None = None) -> tuple[Sc
     dep = deployment(vllm_config(tp=tp), kv_config(full_spec()))
     cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "host_bytes": "1MiB", "load_policy": "always",
                                        **(extra or {})})
-    counters = {k: 0 for k in ("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads")}
+    counters = dict.fromkeys(("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads"), 0)
     return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, 0), dep, counters), counters
 
 

@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from faults.harness import FaultRow, Scale, is_root, scenario
+from integration._runs import near_tie
 
 RUNNER = Path(__file__).with_name("_engine_plan.py")
 CHUNK = 256
 CHUNK_FILE = CHUNK * 2048 + 4096  # tiny-llama: 2048 KV bytes per token, plus the chunk header
 READ_TIMEOUT_S = 1.0
 HANG_S = 30.0
-TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10
 
 
 class EngineFailed(RuntimeError):
@@ -153,20 +153,9 @@ class Bench:
             want = ref[r["p"]]
             if r["tokens"] == want["tokens"]:
                 exact += 1
-            elif _near_tie(r, want):
+            elif near_tie(r, want):
                 tie += 1
         return exact, tie, len(results) - exact - tie
-
-
-def _near_tie(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    """At the first differing position, each run's token is among the other run's top five
-    and within TIE_NATS of that run's most likely token."""
-    j = next(i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=True)) if a != b)
-    got_top = {int(t): lp for t, lp in got["top"][j]}
-    want_top = {int(t): lp for t, lp in want["top"][j]}
-    a, b = got["tokens"][j], want["tokens"][j]
-    return (a in want_top and want_top[b] - want_top[a] < TIE_NATS
-            and b in got_top and got_top[a] - got_top[b] < TIE_NATS)
 
 
 def _row(bench: Bench, fault: str, injected: int, results: list[dict[str, Any]], run: Run,

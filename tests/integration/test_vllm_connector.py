@@ -10,11 +10,9 @@ failure, not a skip.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
