@@ -74,6 +74,12 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return self
 
 
+def tier_unavailable(counters: dict[str, int], name: str, exc: Exception) -> None:
+    """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
+    counters["unavailable_tiers"] += 1
+    log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
+
+
 class MetricsFile:
     """``<base>.<role>.json``, rewritten every few seconds while serving and at shutdown.
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
 from kvtier.config import StoreConfig
 from kvtier.errors import TierUnavailableError
-from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer
+from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer, tier_unavailable
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.metrics import TierMetrics
@@ -157,7 +157,7 @@ class SchedulerRole:
         try:
             pool = open_pool_tier(self.config)
         except TierUnavailableError as exc:
-            self.tier_unavailable("pool", exc)
+            tier_unavailable(self.counters, "pool", exc)
         if pool is not None and inject_faults and pool.name in self.connector.inject_faults:
             from kvtier.tiers.faulty import FaultyTier
 
@@ -173,11 +173,6 @@ class SchedulerRole:
                 tiers.append(pool)
             views[rank] = tiers
         return views
-
-    def tier_unavailable(self, name: str, exc: TierUnavailableError) -> None:
-        """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
-        self.counters["unavailable_tiers"] += 1
-        log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
 
     def _shard_ids(self, state: _Request, rank: int) -> list[ChunkId]:
         sharding = self.dep.sharding
@@ -350,8 +345,6 @@ class SchedulerRole:
     # ---------------------------------------------------------------- lifecycle
 
     def snapshot(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         tiers = {t.name: asdict(t.metrics.snapshot()) for t in self.rank_tiers.get(0, [])}
         return {"read_gbps": {t: r / 1e9 for t, r in self.read_bytes_per_s.items() if t in self.measured_read},
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.errors import TierUnavailableError
 from kvtier.integrations.paged import LayoutError, PagedKV
-from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer
+from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer, tier_unavailable
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
 from kvtier.keys import shard_id
 from kvtier.store import TieredStore
@@ -91,7 +91,7 @@ class WorkerRole:
         self.open_store()
 
     def open_store(self) -> None:
-        store = TieredStore(self.config, unavailable=self._tier_unavailable)
+        store = TieredStore(self.config, unavailable=partial(tier_unavailable, self.counters))
         faults = self.connector.inject_faults
         if faults:
             from kvtier.tiers.faulty import FaultyTier
@@ -107,10 +107,6 @@ class WorkerRole:
             store.host.track_changes()
         self._tier_order = {t.name: i for i, t in enumerate(store.tiers)}
         self.store = store
-
-    def _tier_unavailable(self, name: str, exc: TierUnavailableError) -> None:
-        self.counters["unavailable_tiers"] += 1
-        log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
 
     # ---------------------------------------------------------------- each step
 
