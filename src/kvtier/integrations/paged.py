@@ -88,10 +88,9 @@ class PagedKV:
         """Bytes of one block over all layers: a chunk of ``n`` blocks holds ``n * block_bytes``."""
 
     def _chunk_bytes(self, chunk: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        flat = chunk.reshape(-1) if chunk.is_contiguous() else None
-        if flat is None:
+        if not chunk.is_contiguous():
             raise ValueError("chunk buffer must be contiguous")
-        flat = flat.view(torch.uint8)
+        flat = chunk.reshape(-1).view(torch.uint8)
         if flat.numel() != n_blocks * self.block_bytes:
             raise ValueError(f"chunk of {flat.numel()} bytes does not hold {n_blocks} blocks of "
                              f"{self.block_bytes} bytes")

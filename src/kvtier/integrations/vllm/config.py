@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -230,7 +230,5 @@ def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_c
         raise ValueError(f"kvtier setting chunk_tokens: {config.chunk_tokens} is not a multiple of vLLM's block "
                          f"size {dep.block_size}; use e.g. {dep.block_size * max(1, 256 // dep.block_size)}")
     if config.disk_path is not None:
-        from dataclasses import replace
-
         config = replace(config, disk_path=disk_path_of_rank(config.disk_path, rank, dep.sharding))
     return config
