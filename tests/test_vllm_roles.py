@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -166,9 +167,21 @@ def test_lora_and_multimodal_inputs_enter_the_keys() -> None:
 def make_scheduler(tp: int = 1, extra: dict[str, Any] | None = None) -> tuple[SchedulerRole, dict[str, int]]:
     dep = deployment(vllm_config(tp=tp), kv_config(full_spec()))
     cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "host_bytes": "1MiB", "load_policy": "always",
-                                       **(extra or {})})
-    counters = dict.fromkeys(("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads"), 0)
-    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, 0), dep, counters), counters
+                                       "load_mode": "sync", **(extra or {})})
+    counters = dict.fromkeys(("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads",
+                              "async_loads", "lookup_timeouts", "decode_saves"), 0)
+    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, 0), dep, counters,
+                         inject_faults=bool(cfg.inject_faults)), counters
+
+
+def ask(role: SchedulerRole, req: Any, computed: int = 0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` as vLLM's scheduler sees it: asked again while it says None."""
+    for _ in range(500):
+        got = role.get_num_new_matched_tokens(req, computed)
+        if got[0] is not None:
+            return got  # type: ignore[return-value]
+        time.sleep(0.01)
+    raise AssertionError("the lookup never finished")
 
 
 def held(role: SchedulerRole, req: Any, chunks: int, rank: int = 0) -> None:
@@ -199,14 +212,14 @@ def test_a_preempted_request_rescheduled_with_a_hit_gets_its_load() -> None:
     role, counters = make_scheduler()
     req = request("r", list(range(1000, 1000 + 4 * CHUNK + 5)))  # 4 full chunks, 8 blocks
     held(role, req, 4)
-    assert role.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, False)
+    assert ask(role, req) == (4 * CHUNK, False)
     role.update_state_after_alloc(req, blocks(list(range(10, 19))), 4 * CHUNK)
     first = role.build_connector_meta(output(new=[SimpleNamespace(req_id="r", block_ids=(list(range(10, 19)),),
                                                                    num_computed_tokens=4 * CHUNK)],
                                              scheduled={"r": 5}))
     assert [t.block_ids for t in first.loads] == [list(range(10, 18))]
     # Preempted while decoding; vLLM frees its blocks, asks again, and reschedules it.
-    assert role.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, False)
+    assert ask(role, req) == (4 * CHUNK, False)
     role.update_state_after_alloc(req, blocks(list(range(40, 49))), 4 * CHUNK)
     again = role.build_connector_meta(output(cached=[("r", list(range(40, 49)), 4 * CHUNK)], resumed={"r"},
                                              scheduled={"r": 5}))
@@ -220,7 +233,7 @@ def test_a_preempted_request_rescheduled_with_a_hit_gets_its_load() -> None:
 def test_prompt_embeds_requests_are_skipped_and_counted() -> None:
     role, counters = make_scheduler()
     req = request("e", None, prompt_embeds=torch.zeros(600, 8))
-    assert role.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ask(role, req) == (0, False)
     assert counters["skipped_requests"] == 1
     role.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
     meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="e", block_ids=([1, 2, 3, 4, 5],),
@@ -232,18 +245,18 @@ def test_another_lora_adapter_misses_the_same_prompts_chunks() -> None:
     role, _ = make_scheduler()
     tokens = list(range(500, 500 + 3 * CHUNK + 1))
     held(role, request("base", tokens), 3)
-    assert role.get_num_new_matched_tokens(request("same", tokens), 0) == (3 * CHUNK, False)
+    assert ask(role, request("same", tokens)) == (3 * CHUNK, False)
     adapted = request("lora", tokens, lora_request=SimpleNamespace(lora_name="x", lora_path="/x"))
-    assert role.get_num_new_matched_tokens(adapted, 0) == (0, False)
+    assert ask(role, adapted) == (0, False)
 
 
 def test_with_tp2_a_chunk_is_hit_only_when_every_ranks_shard_is_held() -> None:
     role, _ = make_scheduler(tp=2)
     req = request("t", list(range(2000, 2000 + 5 * CHUNK + 3)))
     held(role, req, 5, rank=0)
-    assert role.get_num_new_matched_tokens(req, 0) == (0, False)  # rank 1 holds nothing
+    assert ask(role, req) == (0, False)  # rank 1 holds nothing
     held(role, req, 3, rank=1)
-    assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    assert ask(role, request("t2", req.prompt_token_ids)) == (3 * CHUNK, False)
 
 
 def test_a_disabled_worker_stops_hits() -> None:
@@ -251,4 +264,101 @@ def test_a_disabled_worker_stops_hits() -> None:
     req = request("d", list(range(3000, 3000 + 2 * CHUNK + 1)))
     held(role, req, 2)
     role.update_connector_output(KVTierWorkerMeta(disabled=[0]))
-    assert role.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ask(role, req) == (0, False)
+
+
+# ---------------------------------------------------------------- background lookups and loads
+
+
+def test_an_async_hit_is_loaded_in_the_background_into_the_blocks_vllm_parks() -> None:
+    role, counters = make_scheduler(extra={"load_mode": "async"})
+    req = request("a", list(range(4000, 4000 + 3 * CHUNK + 7)))  # 3 full chunks, 7 blocks
+    held(role, req, 3)
+    assert ask(role, req) == (3 * CHUNK, True)
+    role.update_state_after_alloc(req, blocks(list(range(20, 27))), 3 * CHUNK)
+    # vLLM parks the request (WAITING_FOR_REMOTE_KVS): it is not scheduled in this step.
+    meta = role.build_connector_meta(output())
+    assert [(t.req_id, t.block_ids, t.background) for t in meta.loads] == [("a", list(range(20, 26)), True)]
+    assert counters["async_loads"] == 1 and counters["matched_tokens"] == 3 * CHUNK
+    # Loaded: vLLM schedules it with the loaded tokens computed; no second load, saves go on.
+    after = role.build_connector_meta(output(new=[SimpleNamespace(req_id="a", block_ids=(list(range(20, 27)),),
+                                                                   num_computed_tokens=3 * CHUNK)],
+                                             scheduled={"a": 7}))
+    assert after.loads == [] and after.saves == []
+
+
+def test_a_failed_async_load_makes_its_chunks_saved_again_once_recomputed() -> None:
+    role, _ = make_scheduler(extra={"load_mode": "async"})
+    req = request("f", list(range(5000, 5000 + 3 * CHUNK + 7)))
+    held(role, req, 3)
+    ask(role, req)
+    role.update_state_after_alloc(req, blocks(list(range(30, 37))), 3 * CHUNK)
+    role.build_connector_meta(output())
+    # The load delivered one chunk; vLLM recomputes from there and the recomputed chunks are saved.
+    meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="f", block_ids=(list(range(30, 37)),),
+                                                                  num_computed_tokens=CHUNK)],
+                                            scheduled={"f": 2 * CHUNK + 7}))
+    assert [len(t.chunk_ids) for t in meta.saves] == [2] and meta.saves[0].block_ids == list(range(32, 36))
+
+
+def test_a_slow_lookup_answers_not_yet_then_gives_up_after_lookup_timeout_s(tmp_path: Any) -> None:
+    slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 1.0, "max_delay_s": 1.0, "ops": ["lookup"]}}
+    role, counters = make_scheduler(extra={"pool_url": f"fs://{tmp_path}", "lookup_timeout_s": 0.2,
+                                           "inject_faults": slow})
+    req = request("s", list(range(6000, 6000 + 2 * CHUNK + 1)))
+    t0 = time.monotonic()
+    assert role.get_num_new_matched_tokens(req, 0) == (None, False)  # never blocks on the pool
+    assert time.monotonic() - t0 < 0.1
+    assert ask(role, req) == (0, False)
+    assert 0.2 <= time.monotonic() - t0 < 1.0 and counters["lookup_timeouts"] == 1
+
+
+def test_the_lookup_starts_after_vllms_own_hit_and_is_cached_across_attempts() -> None:
+    role, _ = make_scheduler()
+    req = request("c", list(range(7000, 7000 + 4 * CHUNK + 3)))
+    held(role, req, 4)
+    calls: list[int] = []
+    locate = role.locate
+    role.locate = lambda state, first=0: calls.append(first) or locate(state, first)  # type: ignore[method-assign]
+    assert ask(role, req, 2 * CHUNK) == (2 * CHUNK, False)  # chunks 2-3 past vLLM's 2
+    assert ask(role, req, 2 * CHUNK) == (2 * CHUNK, False)  # asked again: no second lookup
+    assert calls == [2]
+
+
+def finished(req_id: str, tokens: list[int], computed: int, **kw: Any) -> Any:
+    return request(req_id, tokens[:kw.pop("prompt")], all_token_ids=tokens, num_computed_tokens=computed, **kw)
+
+
+def test_a_finished_requests_generated_tokens_are_saved_for_the_next_turn() -> None:
+    role, counters = make_scheduler()
+    tokens = list(range(8000, 8000 + 5 * CHUNK + 9))  # prompt: 2 chunks + 3; then generated tokens
+    req = finished("d", tokens, len(tokens) - 1, prompt=2 * CHUNK + 3)
+    assert ask(role, req) == (0, False)
+    role.update_state_after_alloc(req, blocks(list(range(11))), 0)
+    first = role.build_connector_meta(output(new=[SimpleNamespace(req_id="d", block_ids=(list(range(5)),),
+                                                                   num_computed_tokens=0)],
+                                             scheduled={"d": 2 * CHUNK + 3}))
+    assert [len(t.chunk_ids) for t in first.saves] == [2]  # the prompt's chunks, as it ran
+    assert role.request_finished(req, list(range(11))) is True  # vLLM holds the blocks for us
+    meta = role.build_connector_meta(output())
+    assert meta.finished == ["d"] and counters["decode_saves"] == 3
+    (save,) = meta.saves
+    assert save.block_ids == list(range(4, 10))
+    # The next turn's prompt extends this conversation: its chunks are the ones saved.
+    nxt = role._state(request("next", [*tokens, 1, 2, 3]))
+    assert save.chunk_ids == nxt.chunk_ids[2:5]
+
+
+def test_no_decode_save_when_turned_off_or_for_a_request_aborted_while_loading() -> None:
+    tokens = list(range(9000, 9000 + 4 * CHUNK + 1))
+    off, _ = make_scheduler(extra={"save_decode": False})
+    req = finished("o", tokens, len(tokens) - 1, prompt=CHUNK + 1)
+    ask(off, req)
+    assert off.request_finished(req, list(range(9))) is False
+    role, _ = make_scheduler(extra={"load_mode": "async"})
+    req = finished("l", tokens, 3 * CHUNK, prompt=3 * CHUNK + 1)
+    held(role, req, 3)
+    assert ask(role, req) == (3 * CHUNK, True)
+    role.update_state_after_alloc(req, blocks(list(range(7))), 3 * CHUNK)
+    role.build_connector_meta(output())
+    assert role.request_finished(req, list(range(6))) is False  # the load owns its blocks until it ends

@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -50,6 +51,8 @@ from kvtier.tiers.redis import is_redis_url
 from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.02  # how often a stoppable load_into checks its stop event while a read runs
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ class PutResult:
     """Chunks host DRAM already held (not copied again)."""
     dropped_writes: int
     """Chunks whose write-down was dropped because the background queue was full."""
+
+
+@dataclass(frozen=True)
+class PendingPut:
+    """A chunk being stored (``TieredStore.begin_put``): fill ``buffer``, then ``commit`` or ``abandon``."""
+
+    buffer: torch.Tensor
+    commit: Callable[[], PutResult]
+    abandon: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -152,11 +164,16 @@ class BufferPool:
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
 
+        self.register: Callable[[np.ndarray], bool] | None = None  # page-locks new buffers (pin_host_memory)
+
     def take(self) -> np.ndarray:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return aligned_buffer(self.nbytes)
+        buf = aligned_buffer(self.nbytes)
+        if self.register is not None:
+            self.register(buf)
+        return buf
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
@@ -352,7 +369,8 @@ class TieredStore:
         return out
 
     def load_into(self, ids: Sequence[ChunkId], sink: Callable[[int, torch.Tensor], None], *,
-                  tenant_salt: str | None = None, promote: bool = True) -> PrefixLoad:
+                  tenant_salt: str | None = None, promote: bool = True,
+                  stop: threading.Event | None = None) -> PrefixLoad:
         """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading in parallel.
 
         This is the fast path for callers that copy chunks somewhere (an output tensor, an
@@ -364,6 +382,8 @@ class TieredStore:
         returns, not even by a read that outlived ``read_timeout_s``. With ``promote=False`` disk and pool
         chunks are read into recycled buffers instead of host DRAM slots (for callers that keep
         the data themselves, like an engine's prefix cache: no page faults, no evictions).
+        ``stop``: once set (e.g. the request was aborted), the load ends at the next chunk
+        boundary (within ``STOP_POLL_S``) and returns what was delivered until then.
         """
         self._check_open()
         spec = self._spec(self._namespace(tenant_salt))
@@ -379,11 +399,11 @@ class TieredStore:
                     name = self._deliver(i, ids[i], tier, spec, sink)
                 else:
                     try:
-                        name = fut.result(timeout=self.config.read_timeout_s)
+                        name = self._await(fut, stop)
                     except cf.TimeoutError:
                         self._guard.trip(tier, f"read of chunk {i}")
                         break
-                if name is None:
+                if name is None or (stop is not None and stop.is_set()):
                     break
                 tiers.append(name)
         finally:
@@ -392,6 +412,19 @@ class TieredStore:
                     fut.cancel()
             gate.close()
         return PrefixLoad(len(tiers), tuple(tiers))
+
+    def _await(self, fut: cf.Future[str | None], stop: threading.Event | None) -> str | None:
+        """``fut``'s result within ``read_timeout_s`` (else TimeoutError); None once ``stop`` is set."""
+        if stop is None:
+            return fut.result(timeout=self.config.read_timeout_s)
+        deadline = time.monotonic() + self.config.read_timeout_s
+        while not stop.is_set():
+            try:
+                return fut.result(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+            except cf.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        return None
 
     def _deliver(self, index: int, cid: ChunkId, first: Tier, spec: ChunkSpec,
                  sink: Callable[[int, torch.Tensor], None], promote: bool = True,
@@ -520,22 +553,53 @@ class TieredStore:
         self._check_open()
         return self._put_chunk(cid, data, self._spec(self._namespace(tenant_salt)), skip_tiers)
 
+    def begin_put(self, cid: ChunkId, *, tenant_salt: str | None = None,
+                  skip_tiers: Collection[str] = ()) -> PendingPut | None:
+        """Room for one chunk that the caller fills, possibly later (an asynchronous copy).
+
+        Returns None when host DRAM already holds ``cid`` (nothing to do). Otherwise fill
+        ``buffer`` (``[layers, 2, chunk_tokens, heads, head_dim]``, host memory; a host DRAM
+        slot when one is free) and call ``commit`` once the bytes are there (the chunk becomes
+        visible and its write-down is queued) or ``abandon``. Until then nobody reads it.
+        """
+        self._check_open()
+        return self._begin_put(cid, self._spec(self._namespace(tenant_salt)), skip_tiers)
+
+    def _begin_put(self, cid: ChunkId, spec: ChunkSpec, skip_tiers: Collection[str]) -> PendingPut | None:
+        host = self.host
+        slot: int | None = None
+        if host is not None:
+            if host.refresh(cid):  # not acquire: a save's presence check is not a read
+                return None
+            slot = host.reserve()
+        lower = [t for t in self.tiers if t is not self.host and t.name not in skip_tiers]
+        if host is not None and slot is not None:
+            buffer = host.slot_view(slot)
+
+            def commit() -> PutResult:
+                return PutResult(1, 0, 0 if self._write_down(host.commit(slot, cid), spec, lower) else 1)
+
+            return PendingPut(buffer, commit, partial(host.abandon, slot))
+        # No host tier, or every slot pinned by in-flight work: a buffer of its own.
+        buffer = torch.empty(self.layout.shape(self.chunk_tokens), dtype=self.layout.dtype)
+        return PendingPut(buffer, lambda: PutResult(1, 0, 0 if self._write_down(Lease(Chunk(cid, buffer)), spec,
+                                                                                  lower) else 1),
+                          lambda: None)
+
     def _put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None],
                    spec: ChunkSpec, skip_tiers: Collection[str] = ()) -> PutResult:
-        lease: Lease | None = None
-        if self.host is not None:
-            if self.host.refresh(cid):  # not acquire: a save's presence check is not a read
-                return PutResult(0, 1, 0)
-            lease = self.host.put(cid, data)
-        if lease is None:  # no host tier, or every slot pinned by in-flight work
-            buf = torch.empty(self.layout.shape(self.chunk_tokens), dtype=self.layout.dtype)
+        pending = self._begin_put(cid, spec, skip_tiers)
+        if pending is None:
+            return PutResult(0, 1, 0)
+        try:
             if callable(data):
-                data(buf)
+                data(pending.buffer)
             else:
-                buf.copy_(data)
-            lease = Lease(Chunk(cid, buf))
-        lower = [t for t in self.tiers if t is not self.host and t.name not in skip_tiers]
-        return PutResult(1, 0, 0 if self._write_down(lease, spec, lower) else 1)
+                pending.buffer.copy_(data)
+        except BaseException:
+            pending.abandon()
+            raise
+        return pending.commit()
 
     def _write_down(self, lease: Lease, spec: ChunkSpec, tiers: Sequence[Tier]) -> bool:
         """Queue a pinned chunk for ``tiers``; the pin is released once written or dropped."""
@@ -558,6 +622,12 @@ class TieredStore:
             raise ValueError(f"kv dtype {kv.dtype} differs from the layout's {self.layout.dtype}")
 
     # -- lifecycle and metrics ----------------------------------------------------------------
+
+    def pin_host_memory(self, register: Callable[[np.ndarray], bool]) -> bool:
+        """Page-lock host DRAM and the read buffers with ``register`` (e.g. cudaHostRegister), so
+        that an accelerator copies to and from them asynchronously. False if the slab was not."""
+        self._buffers.register = register
+        return self.host.pin_memory(register) if self.host is not None else True
 
     def flush(self) -> None:
         """Block until every queued background write has been attempted."""

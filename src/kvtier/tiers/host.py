@@ -77,6 +77,14 @@ class HostTier:
         start = slot * self.slot_bytes
         return self._slab[start:start + self.slot_bytes]
 
+    def pin_memory(self, register: Callable[[np.ndarray], bool]) -> bool:
+        """Page-lock the slab with ``register`` (an accelerator's host-register call)."""
+        return bool(register(self._slab)) if self._slab.nbytes else True
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """The payload of a reserved ``slot`` as a chunk tensor, to fill before ``commit``."""
+        return self._view(slot)
+
     def _view(self, slot: int) -> torch.Tensor:
         view = self._views[slot]
         if view is None:

@@ -36,6 +36,8 @@ class Transfer:
     req_id: str
     chunk_ids: list[ChunkId]
     block_ids: list[int | None]
+    background: bool = False
+    """A load: read in the background and report completion through ``get_finished``."""
 
 
 @dataclass
@@ -45,6 +47,9 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     num_tokens: int = 0  # tokens this step computes (for the worker's prefill rate)
+    finished: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM holds for kvtier (``request_finished`` said so):
+    each rank reports them in ``get_finished`` once this step's saves of them are copied."""
 
 
 @dataclass

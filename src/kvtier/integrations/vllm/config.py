@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 LOAD_POLICIES = ("auto", "always", "never")
+LOAD_MODES = ("async", "sync")
 REQUIRED_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for (``get_required_kvcache_layout``): each
 layer's block is one dense page, so a block moves as one run. Any other layout vLLM resolves
@@ -60,6 +61,17 @@ class ConnectorConfig:
     """Prior prefill rate; None: measured from the engine's own steps (until then, load)."""
     min_load_tokens: int = 0
     """Hits shorter than this are not loaded."""
+    load_mode: str = "async"
+    """``async``: a request with a hit waits while its chunks are read in the background and
+    the engine keeps running the others; ``sync``: the step that schedules it waits for the
+    read (every running request stalls meanwhile; kept for comparison)."""
+    save_decode: bool = True
+    """Save the full chunks of a finished request's prompt *and* generated tokens, so the next
+    turn of a conversation hits the previous answer too (the request's blocks are held until
+    they are copied). False: prompt chunks only."""
+    lookup_timeout_s: float = 2.0
+    """A request's lookup runs in the background; a request whose lookup has not finished
+    after this long is scheduled without a hit."""
     metrics_file: str | None = None
     """Rewrite ``<metrics_file>.<role>.json`` every 5 s and at shutdown."""
     config: str | None = None
@@ -67,12 +79,17 @@ class ConnectorConfig:
     inject_faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Tests only: ``{tier name: FaultyTier options}``."""
 
-    KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "metrics_file", "config",
-            "inject_faults")
+    KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
+            "lookup_timeout_s", "metrics_file", "config", "inject_faults")
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
             raise ValueError(f"kvtier setting load_policy: {self.load_policy!r}; use one of {', '.join(LOAD_POLICIES)}")
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"kvtier setting load_mode: {self.load_mode!r}; use one of {', '.join(LOAD_MODES)}")
+        if not isinstance(self.save_decode, bool):
+            raise ValueError(f"kvtier setting save_decode: expected true or false, got {self.save_decode!r}")
+        object.__setattr__(self, "lookup_timeout_s", _number("lookup_timeout_s", self.lookup_timeout_s))
         object.__setattr__(self, "read_gbps", _number("read_gbps", self.read_gbps))
         if self.prefill_tokens_per_s is not None:
             rate = _number("prefill_tokens_per_s", self.prefill_tokens_per_s, strict=False)

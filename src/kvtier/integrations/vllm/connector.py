@@ -57,7 +57,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0
         self.config = store_config(self.connector_config, settings, vllm_config, self.deployment, rank)
         self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
-                         "unavailable_tiers": 0, "skipped_requests": 0, "resumed_loads": 0, "disabled": 0}
+                         "unavailable_tiers": 0, "skipped_requests": 0, "resumed_loads": 0, "disabled": 0,
+                         "async_loads": 0, "stopped_loads": 0, "lookup_timeouts": 0, "decode_saves": 0}
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -97,9 +98,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.scheduler.update_connector_output(meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self.scheduler.request_finished(request)
-        return False, None
+        """True (vLLM holds the blocks until ``get_finished`` says so) while generated tokens are saved."""
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request, block_ids), None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -123,7 +125,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # a sync load completes in start_load_kv; a background one's request is not in this pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole chunks are saved after the forward pass, in wait_for_save
@@ -132,6 +134,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KVTierMetadata):
             self.worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return self.worker.get_finished(finished_req_ids)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         self.metrics_file.maybe_write()

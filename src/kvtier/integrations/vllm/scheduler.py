@@ -22,7 +22,9 @@ Every method here is called from vLLM's scheduling loop and never reads chunk da
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 
 HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
 TIER_ORDER = {"host": 0, "disk": 1, "pool": 2, "redis": 2}
+LOOKUP_THREADS = 2
 
 
 class HostView:
@@ -117,12 +120,25 @@ def request_extra(request: Request) -> bytes | None:
 
 
 @dataclass
+class _Lookup:
+    """A background lookup of chunks ``first..`` of a request (``located``: their tiers)."""
+
+    first: int
+    started: float
+    future: cf.Future[list[str]]
+
+
+@dataclass
 class _Request:
     chunk_ids: list[ChunkId]  # logical
     prompt_len: int
+    namespace: Namespace | None = None  # None: not served from kvtier (prompt embeddings)
+    extra: bytes = b""
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
     load: tuple[int, int] | None = None  # token range [start, end) to load when next scheduled
+    loading: bool = False  # a background load was sent and the request has not run since
+    lookup: _Lookup | None = None
     shard_ids: dict[int, list[ChunkId]] = field(default_factory=dict)
 
 
@@ -146,6 +162,9 @@ class SchedulerRole:
         self.prefill_tokens_per_s = connector.prefill_tokens_per_s
         self.disabled = False
         self._requests: dict[str, _Request] = {}
+        self._lookups = cf.ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
+        self._background_loads: list[Transfer] = []  # allocated this step, sent with the next metadata
+        self._finishing: list[Transfer] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store.read_timeout_s, store.tier_cooldown_s)
         self.host_views: dict[int, HostView] = {}
         self.rank_tiers: dict[int, list[Tier]] = self._open_views(inject_faults)
@@ -182,11 +201,14 @@ class SchedulerRole:
             ids = state.shard_ids[shard] = [shard_id(c, shard, sharding.num_shards) for c in state.chunk_ids]
         return ids
 
-    def locate(self, state: _Request) -> list[str]:
-        """Tier names of the chunks of the cached prefix (the slowest any rank reads it from)."""
+    def locate(self, state: _Request, first: int = 0) -> list[str]:
+        """Tier names of chunks ``first..`` of the cached prefix (the slowest any rank reads each from).
+
+        Blocking (metadata calls to disk and pool): it runs on a lookup thread.
+        """
         names: list[str] | None = None
         for rank, tiers in self.rank_tiers.items():
-            located = [t.name for t in locate(tiers, self.guard, self._shard_ids(state, rank),
+            located = [t.name for t in locate(tiers, self.guard, self._shard_ids(state, rank)[first:],
                                               count_metrics=rank == 0, chunk_tokens=self.chunk_tokens)]
             if names is None:
                 names = located
@@ -198,28 +220,49 @@ class SchedulerRole:
 
     # ---------------------------------------------------------------- per request
 
-    def _state(self, request: Request) -> _Request | None:
+    def _state(self, request: Request) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
             extra = request_extra(request)
+            prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
             if extra is None:
                 self.counters["skipped_requests"] += 1
-                ids: list[ChunkId] = []
+                state = _Request([], prompt_len)
             else:
                 salt = getattr(request, "cache_salt", None)
                 namespace = self.namespace if salt is None else self.namespace.with_salt(salt)
-                ids = chunk_ids(namespace, request.prompt_token_ids, extra)
-            prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
-            state = self._requests[request.request_id] = _Request(ids, prompt_len)
+                state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace, extra)
+            self._requests[request.request_id] = state
         return state
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens to load past ``num_computed_tokens`` (vLLM's own hit), and whether in the background.
+
+        None ("ask again") while the request's lookup runs on a lookup thread, for at most
+        ``lookup_timeout_s``; after that the request is scheduled without a hit.
+        """
         state = self._state(request)
-        assert state is not None
         state.load = None
         if self.connector.load_policy == "never" or self.disabled or not state.chunk_ids:
             return 0, False
-        chunk_tiers = self.locate(state)
+        first = num_computed_tokens // self.chunk_tokens  # vLLM's own hit covers the chunks before
+        lookup = state.lookup
+        if lookup is None or lookup.first > first:
+            lookup = state.lookup = _Lookup(first, time.monotonic(), self._lookups.submit(self.locate, state, first))
+        if not lookup.future.done():
+            if time.monotonic() - lookup.started < self.connector.lookup_timeout_s:
+                return None, False
+            self.counters["lookup_timeouts"] += 1
+            log.warning("kvtier: lookup of %s took over %.1f s (lookup_timeout_s); scheduled without a hit",
+                        request.request_id, self.connector.lookup_timeout_s)
+            state.lookup = None
+            return 0, False
+        try:
+            located = lookup.future.result()
+        except Exception as exc:  # a lookup bug or an unexpected tier error: no hit, keep serving
+            log.error("kvtier: lookup of %s failed: %r", request.request_id, exc)
+            located = []
+        chunk_tiers = [""] * lookup.first + located  # only chunks from ``first`` on are read
         found = len(chunk_tiers) * self.chunk_tokens
         # vLLM must compute at least one prompt token itself.
         end = min(found, (state.prompt_len - 1) // self.block_size * self.block_size)
@@ -228,7 +271,7 @@ class SchedulerRole:
                 or not self._pays_off(chunk_tiers, num_computed_tokens, end):
             return 0, False
         state.load = (num_computed_tokens, end)
-        return ext, False
+        return ext, self.connector.load_mode == "async"
 
     def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
         """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
@@ -246,19 +289,35 @@ class SchedulerRole:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
-        assert state is not None
         state.block_ids = list(blocks.get_block_ids()[0])
+        state.lookup = None  # scheduled: a later lookup (after a preemption) starts afresh
         if num_external_tokens == 0:
             state.load = None
+        elif self.connector.load_mode == "async" and state.load is not None:
+            # vLLM parks the request (WAITING_FOR_REMOTE_KVS) with these blocks until every
+            # worker reports the load finished; it is not among the next step's scheduled ones.
+            if getattr(request, "num_preemptions", 0):
+                self.counters["resumed_loads"] += 1
+            self.counters["async_loads"] += 1
+            transfer = self._emit_load(request.request_id, state)
+            self._background_loads.append(Transfer(transfer.req_id, transfer.chunk_ids, transfer.block_ids,
+                                                   background=True))
+            state.loading = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
+        meta.loads, self._background_loads = self._background_loads, []
+        meta.saves, self._finishing = self._finishing, []
+        meta.finished = [t.req_id for t in meta.saves]
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            self._emit_load(meta, new.req_id, state)
+            state.loading = False
+            if state.load is not None:
+                meta.loads.append(self._emit_load(new.req_id, state))
+            self._recomputes_from(state, new.num_computed_tokens)
             self._plan_save(meta, new.req_id, state,
                             new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
@@ -274,27 +333,30 @@ class SchedulerRole:
                     state.block_ids = list(new_blocks[0])
                 if state.load is not None:
                     self.counters["resumed_loads"] += 1
-                self._emit_load(meta, req_id, state)
+                    meta.loads.append(self._emit_load(req_id, state))
             elif new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
+            state.loading = False
             computed = cached.num_computed_tokens[i]
-            if computed < state.saved_chunks * self.chunk_tokens:
-                # Recomputed from here (a failed load, a preemption): save those chunks again.
-                state.saved_chunks = computed // self.chunk_tokens
+            self._recomputes_from(state, computed)
             self._plan_save(meta, req_id, state, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
         return meta
 
-    def _emit_load(self, meta: KVTierMetadata, req_id: str, state: _Request) -> None:
-        if state.load is None:
-            return
+    def _emit_load(self, req_id: str, state: _Request) -> Transfer:
+        assert state.load is not None
         start, end = state.load
         # Counted here, not per lookup: vLLM asks again for a request it could not schedule yet.
         self.counters["matched_tokens"] += end - start
-        meta.loads.append(self._transfer(req_id, state, start, end))
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
         state.load = None
+        return self._transfer(req_id, state, start, end)
+
+    def _recomputes_from(self, state: _Request, computed: int) -> None:
+        """vLLM computes from ``computed`` on (a failed load, a preemption): save those chunks again."""
+        if computed < state.saved_chunks * self.chunk_tokens:
+            state.saved_chunks = computed // self.chunk_tokens
 
     def _transfer(self, req_id: str, state: _Request, start: int, end: int) -> Transfer:
         """Chunks covering tokens [start, end); blocks outside that range are left alone."""
@@ -313,8 +375,28 @@ class SchedulerRole:
                                              full * self.chunk_tokens))
             state.saved_chunks = full
 
-    def request_finished(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
+        """Queue the save of the finished request's generated tokens (``save_decode``).
+
+        True when a save was queued: vLLM then holds ``block_ids`` until every worker reports
+        the request in ``get_finished`` (after copying them), so no other request reuses them
+        first. Only tokens whose KV was computed are saved (the last sampled token has none).
+        """
+        state = self._requests.pop(request.request_id, None)
+        if state is None or state.namespace is None or state.loading or self.disabled \
+                or not self.connector.save_decode:
+            return False  # (a request aborted while loading: its blocks are the load's until it ends)
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        full = min(computed // self.chunk_tokens, len(block_ids) // self.blocks_per_chunk)
+        if full <= state.saved_chunks:
+            return False
+        tokens = list(request.all_token_ids[:full * self.chunk_tokens])
+        state.chunk_ids = chunk_ids(state.namespace, tokens, state.extra)
+        state.block_ids = list(block_ids)
+        self._finishing.append(self._transfer(request.request_id, state, state.saved_chunks * self.chunk_tokens,
+                                              full * self.chunk_tokens))
+        self.counters["decode_saves"] += full - state.saved_chunks
+        return True
 
     # ---------------------------------------------------------------- the workers' reports
 
@@ -350,6 +432,7 @@ class SchedulerRole:
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
 
     def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         self.guard.close()
         closed: set[int] = set()
         for tiers in self.rank_tiers.values():

@@ -3,18 +3,24 @@
 Runs beside the KV tensors, one per tensor-parallel rank. It owns that rank's store: host DRAM
 (a slab in this process), the rank's own local disk directory, and the shared pool. It stores
 the rank's shard of each chunk under the shard's own key (``keys.shard_id``); for KV that every
-rank replicates (MLA), only the first rank of each replica group writes it to the pool.
+rank replicates (MLA), only the first rank of each replica group writes it to the pool. The
+bytes move through ``PageMover`` (``integrations/transfer.py``: streams and events on GPU).
 
 * ``register_kv_caches`` finds each layer's pages from the tensors' shapes and strides
   (``paged.block_runs``) and checks them against the page size vLLM's KV cache config states.
   A layout it cannot handle turns the connector off for this engine with one error line (the
   engine keeps serving, with no hits) instead of crashing or moving wrong bytes.
-* Loads are synchronous: ``start_load_kv`` runs before the forward pass and reads the chunks in
-  parallel straight into the request's blocks. Chunks that cannot be served are reported
-  through ``get_block_ids_with_load_errors`` and vLLM recomputes from there.
-* Saves: after each forward pass ``wait_for_save`` gathers every prompt chunk that became
-  complete into host DRAM (one copy per page run); disk and pool writes happen in the
-  background and never block the engine (a full queue drops and counts).
+* Loads: a background load (``load_mode: async``) starts in ``start_load_kv`` and reads the
+  chunks straight into the waiting request's blocks while the engine runs other requests;
+  ``get_finished`` reports it once it is done (on every rank: vLLM waits for all), and its
+  blocks that could not be read are reported through ``get_block_ids_with_load_errors`` in the
+  same step (vLLM recomputes from there). A request aborted while loading stops its load; it
+  is still reported finished, and only once no byte will be written to its blocks any more.
+  A synchronous load (``load_mode: sync``) reads before the forward pass that needs it.
+* Saves: after each forward pass ``wait_for_save`` copies every chunk that became complete
+  into host DRAM; disk and pool writes happen in the background and never block the engine
+  (a full queue drops and counts). Chunks of finished requests (their generated tokens too)
+  arrive the same way; those requests are reported in ``get_finished`` once copied.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import torch
 
 from kvtier.config import StoreConfig
 from kvtier.integrations.paged import LayoutError, PagedKV
+from kvtier.integrations.transfer import Loaded, LoadJob, PageMover
 from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer, tier_unavailable
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
-from kvtier.keys import shard_id
+from kvtier.keys import ChunkId, shard_id
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -53,10 +60,15 @@ class WorkerRole:
         self.skip_tiers: tuple[str, ...] = () if dep.sharding.writes_pool(rank) else SHARED_TIERS
         self.store: TieredStore | None = None
         self.paged: PagedKV | None = None
+        self.mover: PageMover | None = None
         self.disabled = False
         self._reported_disabled = False
         self._failed_blocks: set[int] = set()
-        self._forward_t0: float | None = None
+        self._jobs: dict[str, tuple[LoadJob, Transfer]] = {}
+        self._recved: set[str] = set()  # background loads done, to report
+        self._holding: set[str] = set()  # finished requests whose blocks vLLM holds for our saves
+        self._forward: tuple[int, Any] | None = None  # (tokens, start) of a forward pass being timed
+        self._timed: list[tuple[int, Any, Any]] = []  # CUDA: (tokens, start, end) events not yet complete
         self._prefill_samples: list[tuple[int, float]] = []
         self._reads: list[tuple[str, int, float]] = []
         self._tier_order: dict[str, int] = {}
@@ -107,64 +119,112 @@ class WorkerRole:
             store.host.track_changes()
         self._tier_order = {t.name: i for i, t in enumerate(store.tiers)}
         self.store = store
+        if self.paged is not None:
+            self.mover = PageMover(self.paged, store, self.blocks_per_chunk)
+
+    def _usable(self) -> PageMover | None:
+        return None if self.disabled else self.mover
 
     # ---------------------------------------------------------------- each step
 
     def bind(self, meta: KVTierMetadata) -> None:
-        # vLLM binds the metadata before the forward pass and calls wait_for_save after it
-        # (start_load_kv comes before the pass only when there are loads): a big step without
-        # loads times prefill from here.
-        self._forward_t0 = time.perf_counter() if meta.num_tokens >= 4 * self.block_size else None
+        mover = self.mover
+        if mover is not None:
+            mover.fence()  # this step's kernels run after the last step's save gathers
+            mover.poll_saves()
+        # vLLM binds the metadata before the forward pass and calls wait_for_save after it: a
+        # big step without loads times prefill from here (with events on an accelerator).
+        big = meta.num_tokens >= 4 * self.block_size and not meta.loads and not self._jobs  # reads share the cores
+        self._forward = (meta.num_tokens, self._mark()) if big else None
+
+    def _mark(self) -> Any:
+        if self.paged is not None and self.paged.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+        return time.perf_counter()
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         for load in meta.loads:
-            self._load(load)
-        if meta.loads:
-            self._forward_t0 = None  # a step with loads does not time prefill alone
+            mover = self._usable()
+            ids = self._shard_ids(load.chunk_ids)
+            if not load.background:
+                self._finish_load(load, mover.load(ids, load.block_ids) if mover is not None else Loaded(0, (), 0.0))
+            elif mover is None:
+                self._finish_load(load, Loaded(0, (), 0.0))
+                self._recved.add(load.req_id)
+            else:
+                self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids), load)
 
-    def _load(self, load: Transfer) -> None:
-        bpc = self.blocks_per_chunk
-        got = 0
-        if self.store is not None and self.paged is not None and not self.disabled:
-            paged = self.paged
+    def _shard_ids(self, ids: list[ChunkId]) -> list[ChunkId]:
+        return [shard_id(c, self.shard, self.dep.sharding.num_shards) for c in ids]
 
-            def sink(index: int, data: torch.Tensor) -> None:
-                paged.scatter(data, load.block_ids[index * bpc:(index + 1) * bpc])
-
-            ids = [shard_id(c, self.shard, self.dep.sharding.num_shards) for c in load.chunk_ids]
-            # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
-            t0 = time.perf_counter()
-            result = self.store.load_into(ids, sink, promote=False)
-            seconds = time.perf_counter() - t0
-            got = result.num_chunks
-            if got:
-                slowest = max(result.chunk_tiers, key=lambda name: self._tier_order.get(name, 0))
-                self._reads.append((slowest, got * self.config.chunk_bytes, seconds))
-            log.debug("kvtier: loaded %d of %d chunks of %s in %.1f ms", got, len(ids), load.req_id, seconds * 1e3)
-        failed = [b for b in load.block_ids[got * bpc:] if b is not None]
-        self.counters["loaded_tokens"] += sum(1 for b in load.block_ids[:got * bpc] if b is not None) * self.block_size
-        self.counters["failed_blocks"] += len(failed)
+    def _finish_load(self, load: Transfer, got: Loaded) -> None:
+        """Count a load that is over; its blocks past the delivered chunks are load errors."""
+        bpc, n = self.blocks_per_chunk, got.num_chunks
+        if n:
+            slowest = max(got.chunk_tiers, key=lambda name: self._tier_order.get(name, 0))
+            self._reads.append((slowest, n * self.config.chunk_bytes, got.seconds))
+        self.counters["loaded_tokens"] += sum(1 for b in load.block_ids[:n * bpc] if b is not None) * self.block_size
+        if got.stopped:
+            self.counters["stopped_loads"] += 1
+            return  # an aborted request: vLLM frees its blocks, no recompute to ask for
+        failed = [b for b in load.block_ids[n * bpc:] if b is not None]
+        log.debug("kvtier: loaded %d of %d chunks of %s in %.1f ms", n, len(load.chunk_ids), load.req_id,
+                  got.seconds * 1e3)
         if failed:
+            self.counters["failed_blocks"] += len(failed)
             log.warning("kvtier: %d of %d chunks of %s could not be loaded on rank %d; vLLM recomputes them",
-                        len(load.chunk_ids) - got, len(load.chunk_ids), load.req_id, self.rank)
+                        len(load.chunk_ids) - n, len(load.chunk_ids), load.req_id, self.rank)
             self._failed_blocks.update(failed)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
-        if self._forward_t0 is not None:
-            self._prefill_samples.append((meta.num_tokens, time.perf_counter() - self._forward_t0))
-            self._forward_t0 = None
-        if self.store is None or self.paged is None or self.disabled:
+        if self._forward is not None:
+            tokens, start = self._forward
+            self._forward = None
+            if isinstance(start, float):
+                self._prefill_samples.append((tokens, time.perf_counter() - start))
+            else:
+                self._timed.append((tokens, start, self._mark()))
+        self._collect_timings()
+        mover = self._usable()
+        self._holding.update(meta.finished)
+        if mover is None:
             return
-        bpc, paged, sharding = self.blocks_per_chunk, self.paged, self.dep.sharding
+        bpc, sharding = self.blocks_per_chunk, self.dep.sharding
+        finished = set(meta.finished)
         for save in meta.saves:
+            tag = save.req_id if save.req_id in finished else None
             for i, cid in enumerate(save.chunk_ids):
                 blocks = save.block_ids[i * bpc:(i + 1) * bpc]
                 if any(b is None for b in blocks):
                     continue
-                self.store.put_chunk(shard_id(cid, self.shard, sharding.num_shards),
-                                     lambda buf, blocks=blocks: paged.gather(blocks, buf),  # type: ignore[misc]
-                                     skip_tiers=self.skip_tiers)
-                self.counters["saved_chunks"] += 1
+                if mover.save(shard_id(cid, self.shard, sharding.num_shards), blocks,  # type: ignore[arg-type]
+                              skip_tiers=self.skip_tiers, tag=tag):
+                    self.counters["saved_chunks"] += 1
+
+    def _collect_timings(self) -> None:
+        """Prefill times measured with CUDA events, once the GPU has run them."""
+        while self._timed and self._timed[0][2].query():
+            tokens, start, end = self._timed.pop(0)
+            self._prefill_samples.append((tokens, start.elapsed_time(end) / 1e3))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose held blocks were copied, requests whose background load is over)."""
+        for req_id in finished_req_ids & self._jobs.keys():
+            self._jobs[req_id][0].stop()  # aborted while loading: end it at the next chunk
+        for req_id, (job, load) in list(self._jobs.items()):
+            if job.done():
+                del self._jobs[req_id]
+                self._finish_load(load, job.result())
+                self._recved.add(req_id)
+        recved, self._recved = self._recved, set()
+        mover = self.mover
+        if mover is not None:
+            mover.poll_saves()
+        sent = {r for r in self._holding if mover is None or not mover.saves_pending(r)}
+        self._holding -= sent
+        return sent or None, recved or None
 
     def report(self) -> KVTierWorkerMeta | None:
         """This step's report for the scheduler (None when there is nothing to say)."""
@@ -186,5 +246,9 @@ class WorkerRole:
         return self.store.metrics_snapshot() if self.store is not None else {}
 
     def close(self) -> None:
+        for job, _ in self._jobs.values():
+            job.stop()
+        if self.mover is not None:
+            self.mover.close()
         if self.store is not None:
             self.store.close()

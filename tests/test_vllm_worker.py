@@ -1,0 +1,130 @@
+"""The connector's worker role on real CPU KV tensors and a real store, without an engine.
+
+Background loads, their completion through ``get_finished``, load errors, a request aborted
+while loading, and the held blocks of a finished request. A disk tier with injected read
+latency stands in for a slow pool. Real engines: tests/integration.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+from kvtier.integrations.vllm.common import KVTierMetadata, Transfer
+from kvtier.integrations.vllm.config import ConnectorConfig, deployment, store_config
+from kvtier.integrations.vllm.worker import WorkerRole
+from kvtier.keys import ChunkId, Namespace, chunk_ids
+from test_vllm_roles import BS, CHUNK, full_spec, kv_config, vllm_config
+
+NUM_BLOCKS = 64
+BPC = CHUNK // BS
+
+
+def worker(tmp_path: Any, extra: dict[str, Any] | None = None,
+           fill: bool = False) -> tuple[WorkerRole, list[torch.Tensor]]:
+    dep = deployment(vllm_config(), kv_config(full_spec()))
+    cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "host_bytes": 0, "disk_path": str(tmp_path),
+                                       **(extra or {})})
+    counters: dict[str, int] = dict.fromkeys(("loaded_tokens", "failed_blocks", "saved_chunks", "stopped_loads",
+                                              "unavailable_tiers", "disabled"), 0)
+    role = WorkerRole(cfg, store_config(cfg, rest, vllm_config(), dep, 0), dep, 0, counters)
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randint(-100, 100, (NUM_BLOCKS, 2, BS, 2, 8), generator=gen).to(torch.bfloat16) if fill
+              else torch.zeros(NUM_BLOCKS, 2, BS, 2, 8, dtype=torch.bfloat16) for _ in dep.layer_names]
+    role.register_kv_caches(dict(zip(dep.layer_names, caches, strict=True)), NUM_BLOCKS)
+    assert role.mover is not None
+    return role, caches
+
+
+def ids(n: int) -> list[ChunkId]:
+    dep = deployment(vllm_config(), kv_config(full_spec()))
+    ns = Namespace("tiny", dep.layout, CHUNK, 0, 1, None, kv_format=dep.kv_format)
+    return chunk_ids(ns, list(range(n * CHUNK)))
+
+
+def populate(tmp_path: Any, chunks: int) -> list[torch.Tensor]:
+    """Save ``chunks`` chunks from blocks 0.. of a writer's caches into the disk tier."""
+    writer, caches = worker(tmp_path, fill=True)
+    writer.wait_for_save(KVTierMetadata(saves=[Transfer("w", ids(chunks), list(range(chunks * BPC)))]))
+    writer.close()
+    return caches
+
+
+def step(role: WorkerRole, finished: set[str] = frozenset()) -> tuple[set[str], set[str], set[int]]:
+    sent, recved = role.get_finished(set(finished))
+    return sent or set(), recved or set(), role.take_failed_blocks()
+
+
+def wait_recved(role: WorkerRole, req_id: str, finished: set[str] = frozenset()) -> set[int]:
+    for _ in range(500):
+        _, recved, failed = step(role, finished)
+        if req_id in recved:
+            return failed
+        assert not failed  # load errors come no later than completion, not before
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} never finished loading")
+
+
+def test_a_background_load_fills_the_blocks_and_is_reported_once_done(tmp_path: Any) -> None:
+    source = populate(tmp_path, 4)
+    slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.05, "max_delay_s": 0.05, "ops": ["load"]}}
+    role, caches = worker(tmp_path, {"inject_faults": slow})
+    blocks = list(range(20, 20 + 4 * BPC))
+    role.start_load_kv(KVTierMetadata(loads=[Transfer("r", ids(4), blocks, background=True)]))
+    assert step(role) == (set(), set(), set())  # still reading: the engine goes on
+    assert wait_recved(role, "r") == set()
+    for src, dst in zip(source, caches, strict=True):
+        assert torch.equal(src[:4 * BPC], dst[blocks])
+    assert role.counters["loaded_tokens"] == 4 * CHUNK
+    role.close()
+
+
+def test_chunks_that_cannot_be_read_are_load_errors_reported_with_completion(tmp_path: Any) -> None:
+    populate(tmp_path, 2)
+    role, _ = worker(tmp_path)
+    blocks = list(range(30, 30 + 4 * BPC))
+    role.start_load_kv(KVTierMetadata(loads=[Transfer("m", ids(4), blocks, background=True)]))
+    assert wait_recved(role, "m") == set(blocks[2 * BPC:])
+    assert role.counters["failed_blocks"] == 2 * BPC
+    role.close()
+
+
+def test_a_request_aborted_while_loading_is_reported_and_its_blocks_are_not_written_after(tmp_path: Any) -> None:
+    populate(tmp_path, 6)
+    slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.2, "max_delay_s": 0.2, "ops": ["load"]}}
+    role, caches = worker(tmp_path, {"inject_faults": slow, "io_threads": 1})
+    blocks = list(range(40, 40 + 6 * BPC))
+    role.start_load_kv(KVTierMetadata(loads=[Transfer("x", ids(6), blocks, background=True)]))
+    t0 = time.monotonic()
+    assert wait_recved(role, "x", finished={"x"}) == set()  # aborted: nothing to recompute
+    assert time.monotonic() - t0 < 6 * 0.2  # it stopped early instead of reading everything
+    seen = [c[blocks].clone() for c in caches]
+    time.sleep(0.5)  # reads that were in flight must not land now
+    assert all(torch.equal(s, c[blocks]) for s, c in zip(seen, caches, strict=True))
+    assert role.counters["stopped_loads"] == 1
+    role.close()
+
+
+def test_a_finished_requests_held_blocks_are_released_once_copied(tmp_path: Any) -> None:
+    role, _ = worker(tmp_path, fill=True)
+    meta = KVTierMetadata(saves=[Transfer("f", ids(2), list(range(2 * BPC)))], finished=["f"])
+    role.wait_for_save(meta)
+    sent, recved, _ = step(role, {"f"})
+    assert sent == {"f"} and recved == set() and role.counters["saved_chunks"] == 2
+    role.close()
+
+
+def test_a_disabled_worker_still_answers_every_load_and_held_request(tmp_path: Any) -> None:
+    role, _ = worker(tmp_path)
+    role._disable("test")
+    role.start_load_kv(KVTierMetadata(loads=[Transfer("d", ids(1), list(range(BPC)), background=True)]))
+    role.wait_for_save(KVTierMetadata(finished=["h"]))
+    assert step(role) == ({"h"}, {"d"}, set(range(BPC)))
+    role.close()
