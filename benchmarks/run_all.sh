@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 "$PY" benchmarks/read_path.py "$SCRATCH" --runs 3 --repeats 3 --total 256MiB --layout tiny \
     --out "$OUT/read_path_tiny.json"
 "$PY" benchmarks/lookup.py --tokens 131072 --iters 200 > "$OUT/lookup.json"
+"$PY" benchmarks/gpu_path.py --out "$OUT/gpu_path.json"   # the worker's copy path (CUDA if present)
 if command -v redis-server >/dev/null; then
     PORT=$(( 20000 + RANDOM % 20000 ))
     RDIR=$(mktemp -d)

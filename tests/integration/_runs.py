@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINE = Path(__file__).with_name("_engine.py")
+ASYNC_ENGINE = Path(__file__).with_name("_async_engine.py")
 TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10 (see tests/faults/engine.py)
 
 
@@ -33,10 +34,29 @@ def run_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], conn
     if proc.returncode != 0:
         raise EngineFailed(name, proc.stderr)
     out = json.loads((tmp / f"{name}.json").read_text())
-    metrics: dict[str, Any] = {"preemptions": out["preemptions"]}
+    return out["results"], {"preemptions": out["preemptions"], **_metrics(tmp, name)}
+
+
+def run_async_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], connector: dict[str, Any],
+                     actions: list[dict[str, Any]], timeout_s: float = 900) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``_async_engine.py`` (timed submits and aborts on vLLM's AsyncLLM): results by name, and metrics."""
+    connector = {**connector, "metrics_file": str(tmp / f"{name}.metrics")}
+    spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts, "connector": connector,
+            "actions": actions}
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ASYNC_ENGINE), str(spec_path)], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    if proc.returncode != 0:
+        raise EngineFailed(name, proc.stderr)
+    return json.loads((tmp / f"{name}.json").read_text())["results"], _metrics(tmp, name)
+
+
+def _metrics(tmp: Path, name: str) -> dict[str, Any]:
+    metrics: dict[str, Any] = {}
     for path in tmp.glob(f"{name}.metrics.*.json"):
         metrics[path.name.removeprefix(f"{name}.metrics.").removesuffix(".json")] = json.loads(path.read_text())
-    return out["results"], metrics
+    return metrics
 
 
 def near_tie(got: dict[str, Any], want: dict[str, Any]) -> bool:

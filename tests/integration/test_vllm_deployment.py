@@ -140,3 +140,29 @@ def test_vllms_default_fail_policy_is_refused_at_start_with_the_fix(model: Path,
                          failure_policy="fail", timeout_s=300)
     assert "kv_load_failure_policy" in failed.value.stderr
     assert '"kv_load_failure_policy": "recompute"' in failed.value.stderr
+
+
+def test_a_request_aborted_while_its_kv_loads_frees_its_blocks_and_the_engine_goes_on(
+        model: Path, tmp_path: Path) -> None:
+    """A 4k-token resume reads 16 chunks at 0.3 s each from a slow pool (one read in flight);
+    it is aborted 0.6 s in. Its load stops early and vLLM gets its blocks back (the worker
+    reports it finished), while a short request submitted meanwhile keeps decoding; then
+    the same prompt again is served, from the pool, with outputs equal to plain vLLM."""
+    rng = random.Random(13)
+    long, short = [rng.randrange(100, 31000) for _ in range(4096 + 40)], [rng.randrange(100, 31000) for _ in range(200)]
+    pool = {"chunk_tokens": CHUNK, "pool_url": f"fs://{tmp_path / 'pool'}", "host_bytes": "64MiB", **ALWAYS}
+    _runs.run_engine(model, tmp_path, "populate", [long], pool, max_tokens=1)
+    slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 0.3, "max_delay_s": 0.3, "ops": ["load"]}}
+    actions = [{"at": 0.0, "submit": "resume", "prompt": 0, "max_tokens": 8},
+               {"at": 0.1, "submit": "short", "prompt": 1, "max_tokens": 40},
+               {"at": 0.6, "abort": "resume"},
+               {"at": 1.5, "submit": "again", "prompt": 0, "max_tokens": 8}]
+    got, metrics = _runs.run_async_engine(model, tmp_path, "aborted", [long, short],
+                                          {**pool, "io_threads": 1, "inject_faults": slow}, actions)
+    assert got["resume"]["finish"] == "abort" and got["resume"]["seconds"] < 2.0
+    assert got["again"]["cached"] == 4096  # served from the pool after the abort
+    worker = metrics["worker"]["connector"]
+    assert worker["stopped_loads"] == 1 and worker["failed_blocks"] == 0
+    plain, _ = _runs.run_engine(model, tmp_path, "plain", [long, short], None, max_tokens=40)
+    first8 = {**plain[0], "tokens": plain[0]["tokens"][:8], "top": plain[0]["top"][:8]}
+    assert _runs.mismatches([got["short"], got["again"]], [plain[1], first8]) == []

@@ -69,15 +69,25 @@ class SuiteSpec:
     probe_total: str | None = "256MiB"  # storage probe of the work dir for env.json (None: skip)
 
 
+PRESETS = ("quick", "full", "seed")
+
+
 def presets(name: str, out: Path) -> SuiteSpec:
-    """``quick``: minutes on a 2-core machine with the tiny model; ``full``: longer contexts."""
+    """``quick``: minutes on a 2-core machine with the tiny model; ``full``: longer contexts;
+    ``seed``: the reference table's shape (concurrency 8 / 16 / 32, cold resume of long
+    sessions, one session per slot; recompute, local disk, shared pool and LMCache), small
+    enough for 2 cores in under 30 minutes with the tiny model."""
     if name == "quick":
         return SuiteSpec(out, extra=(WorkloadSpec("short-chat", 16, (128, 384), 1, 32, 16),))
     if name == "full":
         return SuiteSpec(out, concurrency=(1, 2, 4, 8), cold=WorkloadSpec("cold-resume", 4, (4096, 12288), 2, 32, 32),
                          extra=(WorkloadSpec("short-chat", 8, (128, 512), 1, 32, 32),
                                 WorkloadSpec("chat", 4, (512, 1024), 4, 64, 32, think_s=0.5)))
-    raise ValueError(f"preset: {name!r}; use quick or full")
+    if name == "seed":
+        return SuiteSpec(out, configs=("recompute", "local-disk", "shared-pool", "lmcache"), concurrency=(8, 16, 32),
+                         cold=WorkloadSpec("cold-resume", 8, (6144, 8192), 2, 32, 32), sessions_per_concurrency=1,
+                         host_bytes="2GiB", kv_cache_gib=4, lmcache_l1_gib=2.0)
+    raise ValueError(f"preset: {name!r}; use one of {', '.join(PRESETS)}")
 
 
 class Recorder:

@@ -65,8 +65,10 @@ def add_parser(sub: Any) -> None:
                     "from its own venv). Cold resume: populate, restart the engine, resume; with --instances 2 "
                     "resumes go to the other engine instead. Writes requests.jsonl, requests.csv, configs.json, "
                     "env.json, summary.json, summary.md and PNG plots into --out.")
-    suite.add_argument("--preset", choices=("quick", "full"), default="quick",
-                       help="quick: tiny model, 3k-6k contexts, concurrency 1/2/4, minutes; full: longer")
+    suite.add_argument("--preset", choices=("quick", "full", "seed"), default="quick",
+                       help="quick: tiny model, 3k-6k contexts, concurrency 1/2/4, minutes; full: longer; seed: "
+                            "the reference table's shape (concurrency 8/16/32, 6k-8k contexts, recompute / "
+                            "local disk / shared pool / LMCache), under 30 minutes on 2 cores")
     suite.add_argument("--out", required=True, help="result folder (created; must not hold a run)")
     suite.add_argument("--model", default=None, help="HF model dir (default: build the tiny model)")
     suite.add_argument("--configs", default=None,

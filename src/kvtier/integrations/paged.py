@@ -21,6 +21,7 @@ copy. A chunk holds its blocks' bytes run after run: ``[run][block of the chunk]
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -84,6 +85,7 @@ class PagedKV:
             runs = block_runs(kv, num_blocks)
             self.runs.extend(runs)
             self.layer_block_bytes.append(sum(r.shape[1] for r in runs))
+        self._np_runs: list[Any] | None = None  # numpy views of ``runs`` (CPU), made on first use
         self.block_bytes = sum(self.layer_block_bytes)
         """Bytes of one block over all layers: a chunk of ``n`` blocks holds ``n * block_bytes``."""
 
@@ -121,9 +123,24 @@ class PagedKV:
         keep = [j for j, b in enumerate(block_ids) if b is not None]
         if not keep:
             return
+        if self.device.type == "cpu" and flat.device.type == "cpu":
+            # numpy copies, one memcpy per block and run: loads call this from I/O threads, where
+            # torch's index_copy_ could start OpenMP teams that take the cores the engine's
+            # forward pass is running on (measured: decode steps of other requests slowed).
+            for run, page in zip(self._numpy_runs(), self._pages(flat, len(block_ids)), strict=True):
+                src = page.numpy()
+                for j in keep:
+                    run[block_ids[j]] = src[j]
+            return
         idx = torch.tensor([block_ids[j] for j in keep], dtype=torch.long, device=self.device)
         src_idx = torch.tensor(keep, dtype=torch.long)
         whole = len(keep) == len(block_ids)
         for run, page in zip(self.runs, self._pages(flat, len(block_ids)), strict=True):
             src = page if whole else page.index_select(0, src_idx)
-            run.index_copy_(0, idx, src.to(self.device, non_blocking=False))
+            # Asynchronous from page-locked memory; the caller orders and waits (transfer.PageMover).
+            run.index_copy_(0, idx, src.to(self.device, non_blocking=True))
+
+    def _numpy_runs(self) -> list[Any]:
+        if self._np_runs is None:
+            self._np_runs = [run.numpy() for run in self.runs]
+        return self._np_runs

@@ -243,9 +243,12 @@ class SchedulerRole:
         """
         state = self._state(request)
         state.load = None
+        first = num_computed_tokens // self.chunk_tokens  # vLLM's own hit covers the chunks before,
+        # and they are not saved again: the request that put them in vLLM's prefix cache computed
+        # (and saved) or loaded them. Re-gathering them costs other requests' decode steps.
+        state.saved_chunks = max(state.saved_chunks, first)
         if self.connector.load_policy == "never" or self.disabled or not state.chunk_ids:
             return 0, False
-        first = num_computed_tokens // self.chunk_tokens  # vLLM's own hit covers the chunks before
         lookup = state.lookup
         if lookup is None or lookup.first > first:
             lookup = state.lookup = _Lookup(first, time.monotonic(), self._lookups.submit(self.locate, state, first))
