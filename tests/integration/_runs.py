@@ -23,40 +23,35 @@ class EngineFailed(AssertionError):
 def run_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
                timeout_s: float = 900, **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Results and ``{"preemptions": n, "scheduler": ..., "worker": ..., "worker1": ...}`` metrics."""
+    out, metrics = _spawn(ENGINE, model, tmp, name, prompts, connector, timeout_s, options)
+    return out["results"], {"preemptions": out["preemptions"], **metrics}
+
+
+def run_async_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], connector: dict[str, Any],
+                     actions: list[dict[str, Any]], timeout_s: float = 900) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``_async_engine.py`` (timed submits and aborts on vLLM's AsyncLLM): results by name, and metrics."""
+    out, metrics = _spawn(ASYNC_ENGINE, model, tmp, name, prompts, connector, timeout_s, {"actions": actions})
+    return out["results"], metrics
+
+
+def _spawn(script: Path, model: Path, tmp: Path, name: str, prompts: list[list[int]],
+           connector: dict[str, Any] | None, timeout_s: float,
+           options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run an engine script in a fresh process; its output JSON and the connector's metrics files."""
     if connector is not None:
         connector = {**connector, "metrics_file": str(tmp / f"{name}.metrics")}
     spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts, "connector": connector,
             **options}
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(ENGINE), str(spec_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), str(spec_path)], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     if proc.returncode != 0:
         raise EngineFailed(name, proc.stderr)
-    out = json.loads((tmp / f"{name}.json").read_text())
-    return out["results"], {"preemptions": out["preemptions"], **_metrics(tmp, name)}
-
-
-def run_async_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], connector: dict[str, Any],
-                     actions: list[dict[str, Any]], timeout_s: float = 900) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``_async_engine.py`` (timed submits and aborts on vLLM's AsyncLLM): results by name, and metrics."""
-    connector = {**connector, "metrics_file": str(tmp / f"{name}.metrics")}
-    spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts, "connector": connector,
-            "actions": actions}
-    spec_path = tmp / f"{name}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(ASYNC_ENGINE), str(spec_path)], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    if proc.returncode != 0:
-        raise EngineFailed(name, proc.stderr)
-    return json.loads((tmp / f"{name}.json").read_text())["results"], _metrics(tmp, name)
-
-
-def _metrics(tmp: Path, name: str) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     for path in tmp.glob(f"{name}.metrics.*.json"):
         metrics[path.name.removeprefix(f"{name}.metrics.").removesuffix(".json")] = json.loads(path.read_text())
-    return metrics
+    return json.loads((tmp / f"{name}.json").read_text()), metrics
 
 
 def near_tie(got: dict[str, Any], want: dict[str, Any]) -> bool:

@@ -68,6 +68,11 @@ class LoadJob:
     def done(self) -> bool:
         return self._future.done()
 
+    @staticmethod
+    def wait_any(jobs: Collection[LoadJob], timeout: float) -> None:
+        """Return once any of ``jobs`` is done, or after ``timeout`` seconds."""
+        cf.wait([j._future for j in jobs], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
     def result(self, timeout: float | None = None) -> Loaded:
         """What it delivered (blocks until done). A load that raised delivered nothing usable."""
         try:

@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
 TIER_ORDER = {"host": 0, "disk": 1, "pool": 2, "redis": 2}
 LOOKUP_THREADS = 2
+LOOKUP_INLINE_WAIT_S = 0.002
+"""While the engine is idle, the longest the scheduler waits for a request's lookup in one
+call before answering "not yet" (a busy engine never waits)."""
 
 
 class HostView:
@@ -162,6 +165,7 @@ class SchedulerRole:
         self.prefill_tokens_per_s = connector.prefill_tokens_per_s
         self.disabled = False
         self._requests: dict[str, _Request] = {}
+        self._idle = True  # the last step scheduled no tokens
         self._lookups = cf.ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
         self._background_loads: list[Transfer] = []  # allocated this step, sent with the next metadata
         self._finishing: list[Transfer] = []  # saves of finished requests whose blocks vLLM holds for us
@@ -252,6 +256,10 @@ class SchedulerRole:
         lookup = state.lookup
         if lookup is None or lookup.first > first:
             lookup = state.lookup = _Lookup(first, time.monotonic(), self._lookups.submit(self.locate, state, first))
+        if self._idle:
+            # Nothing runs, so a short wait stalls no one: a lookup of local files takes
+            # microseconds, and answering in this call saves the request an engine step.
+            cf.wait([lookup.future], timeout=LOOKUP_INLINE_WAIT_S)
         if not lookup.future.done():
             if time.monotonic() - lookup.started < self.connector.lookup_timeout_s:
                 return None, False
@@ -309,6 +317,7 @@ class SchedulerRole:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
+        self._idle = meta.num_tokens == 0
         meta.loads, self._background_loads = self._background_loads, []
         meta.saves, self._finishing = self._finishing, []
         meta.finished = [t.req_id for t in meta.saves]

@@ -43,6 +43,7 @@ from kvtier.store import TieredStore
 log = logging.getLogger(__name__)
 
 SHARED_TIERS = ("pool", "redis")
+IDLE_WAIT_S = 0.005  # how long a step without a forward pass waits for a background load to end
 
 
 class WorkerRole:
@@ -66,6 +67,7 @@ class WorkerRole:
         self._failed_blocks: set[int] = set()
         self._jobs: dict[str, tuple[LoadJob, Transfer]] = {}
         self._recved: set[str] = set()  # background loads done, to report
+        self._idle = False  # the bound step runs no forward pass
         self._holding: set[str] = set()  # finished requests whose blocks vLLM holds for our saves
         self._forward: tuple[int, Any] | None = None  # (tokens, start) of a forward pass being timed
         self._timed: list[tuple[int, Any, Any]] = []  # CUDA: (tokens, start, end) events not yet complete
@@ -134,6 +136,7 @@ class WorkerRole:
             mover.poll_saves()
         # vLLM binds the metadata before the forward pass and calls wait_for_save after it: a
         # big step without loads times prefill from here (with events on an accelerator).
+        self._idle = meta.num_tokens == 0
         big = meta.num_tokens >= 4 * self.block_size and not meta.loads and not self._jobs  # reads share the cores
         self._forward = (meta.num_tokens, self._mark()) if big else None
 
@@ -213,6 +216,10 @@ class WorkerRole:
         """(requests whose held blocks were copied, requests whose background load is over)."""
         for req_id in finished_req_ids & self._jobs.keys():
             self._jobs[req_id][0].stop()  # aborted while loading: end it at the next chunk
+        if self._idle and self._jobs:
+            # No forward pass in this step: nobody decodes, and the engine would only spin
+            # empty steps until a load is done. Waiting a little here reports it sooner.
+            LoadJob.wait_any([job for job, _ in self._jobs.values()], IDLE_WAIT_S)
         for req_id, (job, load) in list(self._jobs.items()):
             if job.done():
                 del self._jobs[req_id]
