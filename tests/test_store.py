@@ -102,6 +102,45 @@ def test_round_trip_through_each_lower_tier_alone(make_store, tiny, tmp_path, bi
     assert [(c.index, c.tier) for c in loaded] == [(i, tier) for i in range(4)]
 
 
+def test_begin_put_is_invisible_until_committed_and_abandon_frees_it(make_store, tiny, tmp_path, bits_equal):
+    store = make_store(disk_path=str(tmp_path / "d"))
+    tokens, kv = tiny.tokens(32, seed=4), tiny.kv(32, seed=4)
+    first, second = store.chunk_ids(tokens)
+    pending = store.begin_put(first)
+    assert pending is not None
+    pending.buffer.copy_(kv[:, :, :16])  # e.g. an asynchronous device copy, not yet known to be done
+    assert store.lookup(tokens).num_chunks == 0
+    assert pending.commit() == PutResult(1, 0, 0)
+    store.flush()
+    assert store.lookup(tokens).chunk_tiers == ("host",)
+    assert store.begin_put(first) is None  # already held: nothing to do
+    dropped = store.begin_put(second)
+    assert dropped is not None
+    dropped.abandon()
+    store.flush()
+    assert store.lookup(tokens).num_chunks == 1 and len(_kvt_files(tmp_path / "d")) == 1
+    bits_equal(store.get(tokens[:16]), kv[:, :, :16])
+
+
+def test_a_stopped_load_into_ends_early_and_never_calls_the_sink_after(make_store, tiny, tmp_path):
+    from kvtier.tiers.faulty import FaultyTier
+
+    store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), io_threads=1)
+    tokens = tiny.tokens(16 * 6, seed=5)
+    store.put(tokens, tiny.kv(16 * 6, seed=5))
+    store.flush()
+    store.tiers = [FaultyTier(t, delay_prob=1.0, min_delay_s=0.2, max_delay_s=0.2, ops=("load",))
+                   for t in store.tiers]
+    stop, calls = threading.Event(), []
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.monotonic()
+    got = store.load_into(store.chunk_ids(tokens), lambda i, data: calls.append(i), stop=stop)
+    assert time.monotonic() - t0 < 0.6 and got.num_chunks <= 2
+    seen = len(calls)
+    time.sleep(0.5)
+    assert len(calls) == seen
+
+
 def test_lookup_ignores_partial_trailing_chunk(make_store, tiny):
     store = make_store()
     tokens = tiny.tokens(64)

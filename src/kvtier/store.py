@@ -13,6 +13,9 @@ Contracts:
   ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per cooldown.
   Chunks read from a lower tier are promoted to host DRAM.
 * ``get`` is ``iter_chunks`` assembled into one tensor, or ``KeyError`` if any chunk is gone.
+* ``begin_put`` hands out room for one chunk (a host DRAM slot when one is free) that the
+  caller fills, possibly later (an asynchronous device copy); the chunk is visible to readers
+  and queued for disk and pool only once the caller commits it.
 
 All methods are thread-safe. ``close`` flushes pending writes; use the store as a context
 manager or call ``close`` before exit.
@@ -163,7 +166,6 @@ class BufferPool:
         self.max_free = max_free
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
-
         self.register: Callable[[np.ndarray], bool] | None = None  # page-locks new buffers (pin_host_memory)
 
     def take(self) -> np.ndarray:

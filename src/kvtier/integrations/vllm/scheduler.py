@@ -3,16 +3,26 @@
 Runs in vLLM's engine-core process. It holds no KV and no store, only a lookup view of the
 tiers: a mirror of each worker rank's host DRAM keys (``HostView``, fed by the workers'
 reports), each rank's disk directory and the shared pool (file existence, or Redis EXISTS).
-Every method here is called from vLLM's scheduling loop and never reads chunk data.
+Every method here is called from vLLM's scheduling loop and never reads chunk data; the
+lookups themselves (file metadata of disk and pool) run on lookup threads.
 
 * Keys: the prompt's tokens in chunks of ``chunk_tokens``, chained in one logical namespace;
   ``cache_salt`` enters the namespace, a LoRA adapter and multimodal inputs (their hashes and
   placeholder positions) enter every key. Requests given as prompt embeddings are skipped.
 * With tensor parallelism a chunk is hit only when the shard of every rank is present in a
   tier that rank can read (its own host DRAM or disk, or the pool).
+* Lookups: once per request (until it is scheduled), for the chunks past vLLM's own prefix
+  cache hit, in the background; vLLM is told "not yet" (None) until it is done, for at most
+  ``lookup_timeout_s``.
+* Loads: with ``load_mode: async`` a hit is answered ``(tokens, True)``; vLLM parks the request
+  with its new blocks (``update_state_after_alloc``), the load goes to the workers with the
+  next metadata, and vLLM schedules the request once every worker reported it finished. With
+  ``sync`` the load goes with the step that schedules the request.
 * Preemption: a preempted request comes back with nothing computed; when it is rescheduled
-  (vLLM lists it among the resumed requests) its hit is loaded into its new blocks exactly like
-  a new request's.
+  its hit is loaded into its new blocks exactly like a new request's.
+* Saves: every prompt chunk that a step completes; chunks vLLM's own prefix cache served are
+  not saved again. When a request finishes (``save_decode``), the full chunks of its prompt and
+  generated tokens, with its blocks held by vLLM until the workers have copied them.
 * The load decision: a hit is loaded only when reading it is predicted to be faster than
   recomputing it (``load_policy: auto``), from rates measured in the running engine and sent
   back by the workers: the prefill rate of steps that computed many tokens and loaded nothing,
@@ -124,7 +134,7 @@ def request_extra(request: Request) -> bytes | None:
 
 @dataclass
 class _Lookup:
-    """A background lookup of chunks ``first..`` of a request (``located``: their tiers)."""
+    """A background lookup of chunks ``first..`` of a request (``future`` yields their tiers)."""
 
     first: int
     started: float
