@@ -169,7 +169,7 @@ def make_scheduler(tp: int = 1, extra: dict[str, Any] | None = None) -> tuple[Sc
     cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "host_bytes": "1MiB", "load_policy": "always",
                                        "load_mode": "sync", **(extra or {})})
     counters = dict.fromkeys(("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads",
-                              "async_loads", "lookup_timeouts", "decode_saves"), 0)
+                              "async_loads", "lookup_timeouts", "decode_saves", "failed_loads"), 0)
     return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, 0), dep, counters,
                          inject_faults=bool(cfg.inject_faults)), counters
 
@@ -362,3 +362,16 @@ def test_no_decode_save_when_turned_off_or_for_a_request_aborted_while_loading()
     role.update_state_after_alloc(req, blocks(list(range(7))), 3 * CHUNK)
     role.build_connector_meta(output())
     assert role.request_finished(req, list(range(6))) is False  # the load owns its blocks until it ends
+
+
+def test_a_request_whose_background_load_failed_whole_is_not_offered_the_hit_again() -> None:
+    """vLLM puts such a request back with nothing computed and asks again: offering the same
+    hit (say, a pool the scheduler sees and the workers cannot read) would loop forever."""
+    role, counters = make_scheduler(extra={"load_mode": "async"})
+    req = request("w", list(range(9500, 9500 + 2 * CHUNK + 3)))
+    held(role, req, 2)
+    assert ask(role, req) == (2 * CHUNK, True)
+    role.update_state_after_alloc(req, blocks(list(range(5))), 2 * CHUNK)
+    role.build_connector_meta(output())
+    assert ask(role, req) == (0, False)  # asked again before it ever ran: recompute
+    assert ask(role, req) == (0, False) and counters["failed_loads"] == 1

@@ -58,7 +58,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.config = store_config(self.connector_config, settings, vllm_config, self.deployment, rank)
         self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
                          "unavailable_tiers": 0, "skipped_requests": 0, "resumed_loads": 0, "disabled": 0,
-                         "async_loads": 0, "stopped_loads": 0, "lookup_timeouts": 0, "decode_saves": 0}
+                         "async_loads": 0, "stopped_loads": 0, "lookup_timeouts": 0, "decode_saves": 0,
+                         "failed_loads": 0}
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:

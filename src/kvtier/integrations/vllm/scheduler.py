@@ -151,6 +151,7 @@ class _Request:
     saved_chunks: int = 0
     load: tuple[int, int] | None = None  # token range [start, end) to load when next scheduled
     loading: bool = False  # a background load was sent and the request has not run since
+    no_hit: bool = False  # a load of this request failed whole: never offer it a hit again
     lookup: _Lookup | None = None
     shard_ids: dict[int, list[ChunkId]] = field(default_factory=dict)
 
@@ -257,6 +258,14 @@ class SchedulerRole:
         """
         state = self._state(request)
         state.load = None
+        if state.loading:
+            # Asked again before it ever ran: its background load delivered nothing (vLLM put it
+            # back with no tokens). Offering the same hit again could fail the same way forever
+            # (a tier the scheduler sees but the workers cannot read): recompute it instead.
+            state.loading, state.no_hit = False, True
+            self.counters["failed_loads"] += 1
+        if state.no_hit:
+            return 0, False
         first = num_computed_tokens // self.chunk_tokens  # vLLM's own hit covers the chunks before,
         # and they are not saved again: the request that put them in vLLM's prefix cache computed
         # (and saved) or loaded them. Re-gathering them costs other requests' decode steps.
