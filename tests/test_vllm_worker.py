@@ -128,3 +128,17 @@ def test_a_disabled_worker_still_answers_every_load_and_held_request(tmp_path: A
     role.wait_for_save(KVTierMetadata(finished=["h"]))
     assert step(role) == ({"h"}, {"d"}, set(range(BPC)))
     role.close()
+
+
+def test_a_salted_requests_chunks_load_in_an_instance_with_another_default_tenant(tmp_path: Any) -> None:
+    """Files are written and checked under the request's namespace (its cache_salt), not the
+    instance's default tenant: tenant A's chunks written by one instance load in another."""
+    writer, source = worker(tmp_path, {"tenant_salt": "instance-a"}, fill=True)
+    writer.wait_for_save(KVTierMetadata(saves=[Transfer("w", ids(2), list(range(2 * BPC)), salt="tenant-a")]))
+    writer.close()
+    reader, caches = worker(tmp_path, {"tenant_salt": "instance-b"})
+    blocks = list(range(10, 10 + 2 * BPC))
+    reader.start_load_kv(KVTierMetadata(loads=[Transfer("r", ids(2), blocks, background=True, salt="tenant-a")]))
+    assert wait_recved(reader, "r") == set()
+    assert all(torch.equal(s[:2 * BPC], c[blocks]) for s, c in zip(source, caches, strict=True))
+    reader.close()

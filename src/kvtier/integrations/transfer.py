@@ -132,10 +132,11 @@ class PageMover:
         return event
 
     def load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None],
-             stop: threading.Event | None = None, after: Any = None) -> Loaded:
+             stop: threading.Event | None = None, after: Any = None, tenant_salt: str | None = None) -> Loaded:
         """Read the cached prefix of ``ids`` into ``block_ids`` (``blocks_per_chunk`` per chunk; a
         None entry leaves that block alone) and return what was delivered. Blocks after the
-        delivered prefix may hold partial data and must be recomputed by the caller."""
+        delivered prefix may hold partial data and must be recomputed by the caller.
+        ``tenant_salt``: the namespace the ids were made in (None: the store's own)."""
         bpc, paged = self.blocks_per_chunk, self.paged
         if after is None:
             after = self._compute_done()
@@ -156,26 +157,27 @@ class PageMover:
 
         t0 = time.perf_counter()
         # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
-        result = self.store.load_into(ids, sink, promote=False, stop=stop)
+        result = self.store.load_into(ids, sink, promote=False, stop=stop, tenant_salt=tenant_salt)
         return Loaded(result.num_chunks, result.chunk_tiers, time.perf_counter() - t0,
                       stop is not None and stop.is_set())
 
-    def submit_load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None]) -> LoadJob:
+    def submit_load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None],
+                    tenant_salt: str | None = None) -> LoadJob:
         """``load`` in the background; ordered after the engine's work queued so far."""
         stop = threading.Event()
         after = self._compute_done()
-        return LoadJob(self._loader.submit(self.load, list(ids), list(block_ids), stop, after), stop)
+        return LoadJob(self._loader.submit(self.load, list(ids), list(block_ids), stop, after, tenant_salt), stop)
 
     # ---------------------------------------------------------------- saves
 
     def save(self, cid: ChunkId, block_ids: Sequence[int], *, skip_tiers: Collection[str] = (),
-             tag: str | None = None) -> bool:
+             tag: str | None = None, tenant_salt: str | None = None) -> bool:
         """Copy one chunk's blocks into the store; False when host DRAM already holds it.
 
         ``tag`` names the save for ``saves_pending`` (e.g. a finished request whose blocks
         are held until its saves are copied).
         """
-        pending = self.store.begin_put(cid, skip_tiers=skip_tiers)
+        pending = self.store.begin_put(cid, skip_tiers=skip_tiers, tenant_salt=tenant_salt)
         if pending is None:
             return False
         try:

@@ -38,6 +38,9 @@ class Transfer:
     block_ids: list[int | None]
     background: bool = False
     """A load: read in the background and report completion through ``get_finished``."""
+    salt: str | None = None
+    """The request's ``cache_salt`` (None: the store's own tenant): chunk files are written and
+    checked under the namespace their keys were made in."""
 
 
 @dataclass

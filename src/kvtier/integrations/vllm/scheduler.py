@@ -36,7 +36,7 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
@@ -146,6 +146,7 @@ class _Request:
     chunk_ids: list[ChunkId]  # logical
     prompt_len: int
     namespace: Namespace | None = None  # None: not served from kvtier (prompt embeddings)
+    salt: str | None = None  # the request's cache_salt
     extra: bytes = b""
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
@@ -246,7 +247,8 @@ class SchedulerRole:
             else:
                 salt = getattr(request, "cache_salt", None)
                 namespace = self.namespace if salt is None else self.namespace.with_salt(salt)
-                state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace, extra)
+                state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace,
+                                 salt, extra)
             self._requests[request.request_id] = state
         return state
 
@@ -330,8 +332,7 @@ class SchedulerRole:
                 self.counters["resumed_loads"] += 1
             self.counters["async_loads"] += 1
             transfer = self._emit_load(request.request_id, state)
-            self._background_loads.append(Transfer(transfer.req_id, transfer.chunk_ids, transfer.block_ids,
-                                                   background=True))
+            self._background_loads.append(replace(transfer, background=True))
             state.loading = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
@@ -396,7 +397,7 @@ class SchedulerRole:
         blocks: list[int | None] = []
         for b in range(c0 * self.blocks_per_chunk, c1 * self.blocks_per_chunk):
             blocks.append(state.block_ids[b] if b_lo <= b < b_hi and b < len(state.block_ids) else None)
-        return Transfer(req_id, state.chunk_ids[c0:c1], blocks)
+        return Transfer(req_id, state.chunk_ids[c0:c1], blocks, salt=state.salt)
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, state: _Request, computed: int) -> None:
         full = min(computed, state.prompt_len) // self.chunk_tokens

@@ -151,13 +151,14 @@ class WorkerRole:
         for load in meta.loads:
             mover = self._usable()
             ids = self._shard_ids(load.chunk_ids)
-            if not load.background:
-                self._finish_load(load, mover.load(ids, load.block_ids) if mover is not None else Loaded(0, (), 0.0))
-            elif mover is None:
+            if mover is not None and not load.background:
+                self._finish_load(load, mover.load(ids, load.block_ids, tenant_salt=load.salt))
+            elif mover is None:  # disabled: every block is a load error, and a background load is over
                 self._finish_load(load, Loaded(0, (), 0.0))
-                self._recved.add(load.req_id)
+                if load.background:
+                    self._recved.add(load.req_id)
             else:
-                self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids), load)
+                self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids, tenant_salt=load.salt), load)
 
     def _shard_ids(self, ids: list[ChunkId]) -> list[ChunkId]:
         return [shard_id(c, self.shard, self.dep.sharding.num_shards) for c in ids]
@@ -203,7 +204,7 @@ class WorkerRole:
                 if any(b is None for b in blocks):
                     continue
                 if mover.save(shard_id(cid, self.shard, sharding.num_shards), blocks,  # type: ignore[arg-type]
-                              skip_tiers=self.skip_tiers, tag=tag):
+                              skip_tiers=self.skip_tiers, tag=tag, tenant_salt=save.salt):
                     self.counters["saved_chunks"] += 1
 
     def _collect_timings(self) -> None:
