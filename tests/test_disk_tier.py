@@ -245,3 +245,23 @@ def test_evict_to_target(open_disk, tiny):
         disk.store(ch, tiny.spec())
     assert disk.evict(FILE) == 2
     assert disk.keys() == [chunks[2].id.key]
+
+
+def test_a_retained_chunk_is_evicted_last_and_stays_retained_after_a_restart(open_disk, tiny, tmp_path):
+    disk = open_disk(3 * FILE)
+    a, b, c, d, e = tiny.chunks(5)
+    spec = tiny.spec()
+    for ch in (a, b, c):
+        disk.store(ch, spec)
+    assert disk.retain(a.id.key, time.time() + 3600)
+    assert not disk.retain(d.id.key, time.time() + 3600)  # not held
+    disk.store(d, spec)  # evicts b, not the older but retained a
+    assert set(disk.keys()) == {a.id.key, c.id.key, d.id.key}
+    disk.close()
+    disk = open_disk(3 * FILE)  # a restart: retention comes back from the file's mtime
+    disk.store(e, spec)
+    assert set(disk.keys()) == {a.id.key, d.id.key, e.id.key}
+    disk.retain(d.id.key, time.time() + 3600)
+    disk.retain(e.id.key, time.time() + 3600)
+    disk.store(b, spec)  # the only unretained chunk is the one to go, new as it is
+    assert set(disk.keys()) == {a.id.key, d.id.key, e.id.key}

@@ -325,3 +325,57 @@ def test_two_processes_write_and_read_one_pool_concurrently(tiny, tmp_path, pool
     for seed in [999, 100, 101, 102, 103, 110, 111, 112, 113]:
         assert store.lookup(tiny.tokens(n, seed)).chunk_tiers == ("pool",) * 4
         bits_equal(store.get(tiny.tokens(n, seed)), tiny.kv(n, seed))
+
+
+def test_retained_chunks_go_after_every_unretained_one_across_instances_and_gc(open_pool, tiny, pool_dir):
+    from kvtier.admin import gc
+
+    a, b = open_pool(), open_pool()
+    chunks = tiny.chunks(6)
+    now = time.time()
+    for i, ch in enumerate(chunks):
+        a.store(ch, tiny.spec())
+        os.utime(a.files.path_for(ch.id.key), (now - 100 + i, now - 100 + i))  # write order
+    # The two oldest belong to a session that asked to be kept for an hour.
+    assert a.retain(chunks[0].id.key, now + 3600) and a.retain(chunks[1].id.key, now + 3600)
+    assert not a.retain(tiny.chunks(1, seed=9)[0].id.key, now + 3600)  # not in the pool
+    # Another instance over budget evicts the four unretained ones first...
+    assert b.evict(2 * FILE) == 4
+    assert {f.key for f in b.files.scan()} == {chunks[0].id.key, chunks[1].id.key}
+    # ...a hit does not reset a retained chunk's clock...
+    assert b.load(chunks[0].id, tiny.spec()).ok
+    assert b.files.path_for(chunks[0].id.key).stat().st_mtime == pytest.approx(now + 3600)
+    # ...and gc takes a retained chunk only when nothing unretained is left.
+    b.store(tiny.chunks(1, seed=3)[0], tiny.spec())
+    assert gc(pool_dir, 2 * FILE).evicted_chunks == 1
+    assert {f.key for f in b.files.scan()} == {chunks[0].id.key, chunks[1].id.key}
+    assert gc(pool_dir, FILE).evicted_chunks == 1
+
+
+def test_expired_retention_ages_like_any_chunk_used_then(open_pool, tiny):
+    pool = open_pool()
+    old, kept, new = tiny.chunks(3)
+    now = time.time()
+    for age, ch in zip((300, 200, 100), (old, kept, new), strict=True):
+        pool.store(ch, tiny.spec())
+        os.utime(pool.files.path_for(ch.id.key), (now - age, now - age))
+    pool.retain(kept.id.key, now - 150)  # retained until 150 s ago: newer than `old`, older than `new`
+    assert pool.evict(FILE) == 2
+    assert {f.key for f in pool.files.scan()} == {new.id.key}
+
+
+def test_every_eviction_is_logged_for_the_other_instances(open_pool, tiny, pool_dir):
+    from kvtier.admin import gc
+
+    writer, reader = open_pool(), open_pool()
+    assert reader.read_evictions() == []  # starts at the log's end
+    chunks = tiny.chunks(4)
+    for ch in chunks:
+        writer.store(ch, tiny.spec())
+    writer.journal.enable()
+    writer.evict(3 * FILE)
+    assert gc(pool_dir, FILE).evicted_chunks == 2
+    evicted = reader.read_evictions()
+    assert len(evicted) == 3 and set(evicted) < {ch.id.key for ch in chunks}
+    assert reader.read_evictions() == []
+    assert [added for added, _ in writer.journal.drain()] == [False]  # its own eviction, not gc's

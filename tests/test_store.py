@@ -614,3 +614,18 @@ def test_load_into_without_promotion_leaves_host_dram_alone(make_store, tiny, bi
     assert reader.lookup(tokens).chunk_tiers == ("pool",) * 4  # not promoted
     reader.load_into(reader.chunk_ids(tokens), sink)
     assert reader.lookup(tokens).chunk_tiers == ("host",) * 4
+
+
+def test_retention_reaches_the_disk_and_pool_copies_even_of_chunks_written_later(make_store, tiny, tmp_path):
+    store = make_store(disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p", write_threads=2)
+    tokens = tiny.tokens(48)
+    ids = store.chunk_ids(tokens)
+    until = time.time() + 3600
+    assert store.retain(ids[:1], until)  # before anything is written
+    store.put(tokens, tiny.kv(48))
+    store.flush()
+    assert store.retain(ids[1:2], until)  # after
+    store.flush()
+    for tier in store.tiers[1:]:
+        mtimes = [tier.files.path_for(cid.key).stat().st_mtime for cid in ids]
+        assert mtimes[0] == mtimes[1] == pytest.approx(until) and mtimes[2] < until - 3000, tier.name

@@ -39,8 +39,8 @@ class TierCounters:
     bytes: int = 0
 
 
-_GAUGES = {"chunks", "bytes"}
-_HELP = {
+GAUGES = {"chunks", "bytes"}
+HELP = {
     "lookups": "Lookups that reached this tier",
     "lookup_tokens": "Full-chunk tokens asked for by lookups that reached this tier",
     "hit_chunks": "Chunks found in this tier by lookups",
@@ -60,6 +60,11 @@ _HELP = {
     "chunks": "Chunks held by this tier as known to this process",
     "bytes": "Bytes held by this tier as known to this process",
 }
+
+
+def tier_metric_name(field: str) -> str:
+    """The Prometheus name of a ``TierCounters`` field (labelled ``tier``), wherever it is exported."""
+    return f"kvtier_tier_{field}" if field in GAUGES else f"kvtier_{field}_total"
 
 
 class TierMetrics:
@@ -95,10 +100,11 @@ class StoreCollector(Collector):
         snaps = {name: m.snapshot() for name, m in self._tiers.items()}
         for f in fields(TierCounters):
             family: CounterMetricFamily | GaugeMetricFamily
-            if f.name in _GAUGES:
-                family = GaugeMetricFamily(f"kvtier_tier_{f.name}", _HELP[f.name], labels=["tier"])
-            else:
-                family = CounterMetricFamily(f"kvtier_{f.name}", _HELP[f.name], labels=["tier"])
+            if f.name in GAUGES:
+                family = GaugeMetricFamily(tier_metric_name(f.name), HELP[f.name], labels=["tier"])
+            else:  # the family adds _total
+                family = CounterMetricFamily(tier_metric_name(f.name).removesuffix("_total"), HELP[f.name],
+                                             labels=["tier"])
             for name, snap in snaps.items():
                 family.add_metric([name], getattr(snap, f.name))
             yield family

@@ -13,6 +13,9 @@ Contracts:
   ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per cooldown.
   Chunks read from a lower tier are promoted to host DRAM.
 * ``get`` is ``iter_chunks`` assembled into one tensor, or ``KeyError`` if any chunk is gone.
+* ``retain`` keeps chunks of a session in the disk tier and the pool until a time: they are
+  evicted after every unretained chunk (host DRAM and Redis ignore it). Chunks written later
+  under a retained key are retained as they land.
 * ``begin_put`` hands out room for one chunk (a host DRAM slot when one is free) that the
   caller fills, possibly later (an asynchronous device copy); the chunk is visible to readers
   and queued for disk and pool only once the caller commits it.
@@ -51,11 +54,12 @@ from kvtier.tiers.host import HostTier, Lease
 from kvtier.tiers.locate import locate
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.tiers.redis import is_redis_url
-from kvtier.writer import BackgroundWriter
+from kvtier.writer import BackgroundWriter, retain_in
 
 log = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.02  # how often a stoppable load_into checks its stop event while a read runs
+RETAINED_PRUNE_AT = 1 << 16  # retained keys remembered before expired ones are dropped
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,10 @@ class TieredStore:
         self._spec_lock = threading.Lock()
         self._spec(self.namespace)  # describes the namespace in the disk and pool directories
         self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
-        self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads)
+        self._retained: dict[bytes, float] = {}  # key -> until: applied to chunks written later too
+        self._retained_lock = threading.Lock()
+        self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
+                                        after_store=self._apply_retention)
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
         self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s)
         self._closed = False
@@ -613,6 +620,25 @@ class TieredStore:
         lease.release()
         return False
 
+    def retain(self, ids: Sequence[ChunkId], until: float) -> bool:
+        """Keep ``ids`` in the disk tier and the pool ahead of unretained chunks until ``until``
+        (epoch seconds), including any of them written later. Never waits for I/O; False when
+        the write queue was full (nothing was queued)."""
+        self._check_open()
+        now = time.time()
+        with self._retained_lock:
+            if len(self._retained) > RETAINED_PRUNE_AT:
+                self._retained = {k: t for k, t in self._retained.items() if t > now}
+            for cid in ids:
+                self._retained[cid.key] = max(until, self._retained.get(cid.key, 0.0))
+        lower = [t for t in self.tiers if t is not self.host]
+        return self._writer.submit_retain([cid.key for cid in ids], until, lower) if lower else True
+
+    def _apply_retention(self, tier: Tier, key: bytes) -> None:
+        until = self._retained.get(key)
+        if until is not None and until > time.time():
+            retain_in(tier, key, until)
+
     def _check_kv(self, kv: torch.Tensor, min_tokens: int) -> None:
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -658,6 +684,11 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def write_queue(self) -> int:
+        """Chunks queued for background writes (not yet attempted)."""
+        return self._writer.queued
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """JSON-ready counters: ``{"store": {...}, "tiers": {name: {...}}, "write_queue": n}``."""

@@ -27,9 +27,28 @@ class _Write:
     on_done: Callable[[], None] | None
 
 
+@dataclass(frozen=True)
+class _Retain:
+    keys: Sequence[bytes]
+    until: float
+    tiers: Sequence[Tier]
+
+
+def retain_in(tier: Tier, key: bytes, until: float) -> None:
+    """Retention in a tier that supports it (disk, pool); a no-op elsewhere (host DRAM, Redis)."""
+    retain = getattr(tier, "retain", None)
+    if retain is not None:
+        retain(key, until)
+
+
 class BackgroundWriter:
-    def __init__(self, max_queued: int, num_threads: int = 1) -> None:
-        self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
+    """``after_store(tier, key)``, when given, runs after each chunk a tier stored or already had
+    (the store applies a session's retention there)."""
+
+    def __init__(self, max_queued: int, num_threads: int = 1,
+                 after_store: Callable[[Tier, bytes], None] | None = None) -> None:
+        self._after_store = after_store
+        self._queue: queue.Queue[_Write | _Retain | None] = queue.Queue(max_queued)
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
                          for i in range(num_threads)]
         self._closed = False
@@ -47,6 +66,16 @@ class BackgroundWriter:
         except queue.Full:
             for tier in tiers:
                 tier.metrics.add(dropped_writes=1)
+            return False
+
+    def submit_retain(self, keys: Sequence[bytes], until: float, tiers: Sequence[Tier]) -> bool:
+        """Queue retention of ``keys`` in ``tiers``; False if the queue is full."""
+        if self._closed:
+            raise RuntimeError("store is closed")
+        try:
+            self._queue.put_nowait(_Retain(keys, until, tiers))
+            return True
+        except queue.Full:
             return False
 
     @property
@@ -72,6 +101,14 @@ class BackgroundWriter:
             try:
                 if item is None:
                     return
+                if isinstance(item, _Retain):
+                    for tier in item.tiers:
+                        for key in item.keys:
+                            try:
+                                retain_in(tier, key, item.until)
+                            except Exception:  # retention is best effort; the writer thread must live
+                                log.exception("tier %s raised on retain", tier.name)
+                    continue
                 for tier in item.tiers:
                     try:
                         result = tier.store(item.chunk, item.spec)
@@ -81,7 +118,9 @@ class BackgroundWriter:
                         continue
                     if result.status is Status.FAILED:
                         log.debug("write to %s failed: %s", tier.name, result.error)
+                    elif self._after_store is not None:
+                        self._after_store(tier, item.chunk.id.key)
             finally:
-                if item is not None and item.on_done is not None:
+                if isinstance(item, _Write) and item.on_done is not None:
                     item.on_done()
                 self._queue.task_done()

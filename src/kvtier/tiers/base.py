@@ -8,7 +8,8 @@ everything after it is not cached", which costs at most a recompute.
 from __future__ import annotations
 
 import enum
-from collections.abc import Container, Sequence
+import threading
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -101,6 +102,34 @@ class Tier(Protocol):
 
     def close(self) -> None:
         ...
+
+
+class ChangeJournal:
+    """``(added, key)`` changes of a tier, kept only once ``enable`` was called: an engine
+    integration ships them to the process that publishes KV events. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changes: list[tuple[bool, bytes]] | None = None
+
+    def enable(self, present: Iterable[bytes] = ()) -> None:
+        with self._lock:
+            if self._changes is None:
+                self._changes = [(True, key) for key in present]
+
+    def record(self, added: bool, key: bytes) -> None:
+        if self._changes is not None:
+            with self._lock:
+                if self._changes is not None:
+                    self._changes.append((added, key))
+
+    def drain(self) -> list[tuple[bool, bytes]]:
+        """The changes since the last call, oldest first (empty unless enabled)."""
+        with self._lock:
+            if not self._changes:
+                return []
+            out, self._changes = self._changes, []
+            return out
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -5,6 +5,10 @@ LRU index lives in this process's memory. At open, the directory is scanned and 
 rebuilt in mtime order (a hit refreshes a chunk's mtime), so a restarted process serves what
 an earlier one wrote and evicts down to its budget at once. Directories shared by several
 processes or machines are what the pool tier is for.
+
+A retained chunk (``retain``: kept for a session until a time) is evicted only when no
+unretained chunk is left, or once its time has passed; its file's mtime is that time, so a
+restarted process keeps it too.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -21,7 +26,7 @@ from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, leading_held
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, leading_held
 from kvtier.tiers.files import ChunkFiles
 
 TOUCH_INTERVAL_S = 60.0
@@ -50,14 +55,19 @@ class DiskTier:
             ) from None
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._retained: dict[ChunkKey, float] = {}  # key -> until (epoch s); also its file's mtime
         self._bytes = 0
+        self.journal = ChangeJournal()
         self._recover()
 
     def _recover(self) -> None:
         found = sorted(self.files.scan(), key=lambda f: f.mtime)
+        now = time.time()
         for f in found:
             self._index[f.key] = f.size
             self._bytes += f.size
+            if f.mtime > now:  # retained before a restart (sorted last, so evicted last)
+                self._retained[f.key] = f.mtime
         self.evict(self.capacity_bytes)
         self._publish_gauges()
 
@@ -101,14 +111,35 @@ class DiskTier:
         self.evict(self.capacity_bytes)
         return StoreResult(Status.WRITTEN if written else Status.EXISTS)
 
+    def retain(self, key: ChunkKey, until: float) -> bool:
+        """Evict the chunk only after every unretained one, until ``until`` (epoch seconds)."""
+        with self._lock:
+            if key not in self._index:
+                return False
+            self._retained[key] = max(until, self._retained.get(key, 0.0))
+        return self.files.retain(key, until)  # a restarted process finds it retained too
+
+    def _pop_victim(self) -> tuple[ChunkKey, int]:
+        """The least recently used chunk that is not retained (else the oldest retained). Locked."""
+        now = time.time()
+        for key in self._index:
+            until = self._retained.get(key)
+            if until is None or until <= now:
+                self._retained.pop(key, None)
+                return key, self._index.pop(key)
+        key, size = self._index.popitem(last=False)
+        self._retained.pop(key, None)
+        return key, size
+
     def evict(self, target_bytes: int) -> int:
         n = 0
         while True:
             with self._lock:
                 if self._bytes <= target_bytes or not self._index:
                     break
-                key, size = self._index.popitem(last=False)
+                key, size = self._pop_victim()
                 self._bytes -= size
+            self.journal.record(False, key)
             self.files.remove(key)
             self.metrics.add(evictions=1, evicted_bytes=size)
             n += 1
@@ -117,7 +148,10 @@ class DiskTier:
 
     def _forget(self, key: ChunkKey) -> None:
         with self._lock:
+            self._retained.pop(key, None)
             size = self._index.pop(key, None)
+            if size is not None:
+                self.journal.record(False, key)
             if size is not None:
                 self._bytes -= size
         self._publish_gauges()

@@ -361,6 +361,17 @@ class ChunkFiles:
         except FileNotFoundError:
             return 0
 
+    def retain(self, key: ChunkKey, until: float) -> bool:
+        """Set a chunk's mtime (the LRU clock) to ``until`` unless it is already later; False when
+        the chunk is gone or its times cannot be set (not its owner)."""
+        path = self._path_str(key)
+        try:
+            if os.stat(path, follow_symlinks=False).st_mtime < until:
+                os.utime(path, (until, until), follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+
     def touch(self, key: ChunkKey, older_than_s: float) -> None:
         """Mark a chunk recently used (mtime = now) unless it was marked in the last interval.
 

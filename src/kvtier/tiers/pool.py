@@ -16,6 +16,14 @@ The byte budget holds across all instances by cooperative accounting under ``ROO
   pool is at ``low_watermark`` of its budget, then writes the exact total back.
 
 The pool can overshoot its budget by at most ``instances x sync_bytes`` between syncs.
+
+Retention (``retain``): a chunk kept for a session until a time gets that time as its mtime.
+LRU order then evicts every unretained chunk before it, across instances and by ``kvtier pool
+gc`` alike, and once the time has passed it ages like any chunk used then. (Setting a file's
+times needs its owner: in a group-shared pool a chunk another user wrote keeps its mtime.)
+
+Every eviction (by any instance, or gc) appends the chunk's key to ``ROOT/.evicted``, so that
+each instance can tell routers that a chunk it announced is gone (``read_evictions``).
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ import numpy as np
 
 from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
-from kvtier.keys import ChunkId
+from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult
 from kvtier.tiers.files import ChunkFiles
 
 TOUCH_INTERVAL_S = 60.0
+EVICTION_LOG = ".evicted"
+EVICTION_LOG_MAX_BYTES = 8 << 20  # then it starts over (a reader behind by that much misses lines)
 LOW_WATERMARK = 0.9
 RESCAN_INTERVAL_S = 600.0
 
@@ -80,6 +90,8 @@ class PoolTier:
         self._lock = threading.Lock()
         self._pending = 0
         self._known_total = 0
+        self.journal = ChangeJournal()
+        self._log_pos: tuple[int, int] | None = None  # (inode, offset) read so far in ROOT/.evicted
 
     # -- protocol ---------------------------------------------------------------------------
 
@@ -98,6 +110,7 @@ class PoolTier:
             return StoreResult(Status.FAILED, str(exc))
         if not written:
             return StoreResult(Status.EXISTS)
+        self.journal.record(True, chunk.id.key)
         self.metrics.add(bytes_written=written, written_chunks=1)
         with self._lock:
             self._pending += written
@@ -117,6 +130,39 @@ class PoolTier:
             total, n = self._evict_locked(target_bytes)
             self._write_usage(total, time.time())
         return n
+
+    def retain(self, key: ChunkKey, until: float) -> bool:
+        """Keep the chunk ahead of unretained ones until ``until`` (epoch seconds): its mtime.
+        False when it is not there, or its mtime could not be set (another user's file)."""
+        return self.files.retain(key, until)
+
+    def read_evictions(self) -> list[bytes]:
+        """Keys evicted from the pool (by anyone) since the last call; the first call starts
+        at the log's end."""
+        path = self.files.root / EVICTION_LOG
+        try:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                if self._log_pos is None or self._log_pos[0] != st.st_ino or self._log_pos[1] > st.st_size:
+                    start = st.st_size if self._log_pos is None else 0  # new: from the end; rotated: all
+                else:
+                    start = self._log_pos[1]
+                fh.seek(start)
+                data = fh.read()
+        except FileNotFoundError:
+            self._log_pos = (0, 0)
+            return []
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line being appended is read next time
+        self._log_pos = (st.st_ino, start + end)
+        keys = []
+        for line in data[:end].split():
+            try:
+                keys.append(bytes.fromhex(line.decode()))
+            except ValueError:
+                continue
+        return keys
 
     def close(self) -> None:
         try:
@@ -148,21 +194,43 @@ class PoolTier:
         return total
 
     def _evict_locked(self, target_bytes: int) -> tuple[int, int]:
-        found = sorted(self.files.scan(), key=lambda f: f.mtime)
+        found = sorted(self.files.scan(), key=lambda f: f.mtime)  # retained chunks: mtime in the future
         total = sum(f.size for f in found)
         n = 0
+        evicted: list[bytes] = []
         for f in found:
             if total <= target_bytes:
                 break
             try:
                 os.unlink(f.path)
+                evicted.append(f.key)
+                self.journal.record(False, f.key)
             except FileNotFoundError:
                 pass  # another gc got there first; its bytes are gone all the same
             total -= f.size
             n += 1
             self.metrics.add(evictions=1, evicted_bytes=f.size)
         self.metrics.set(chunks=len(found) - n, bytes=total)
+        if evicted:
+            self._log_evictions(evicted)
         return total, n
+
+    def _log_evictions(self, keys: list[bytes]) -> None:
+        """Append to ROOT/.evicted (under the pool lock); start it over past its size limit."""
+        path = self.files.root / EVICTION_LOG
+        try:
+            if path.stat().st_size > EVICTION_LOG_MAX_BYTES:
+                os.unlink(path)  # readers notice the new inode and read the new file from its start
+        except FileNotFoundError:
+            pass
+        try:
+            fd = self.files.create_file(path, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, b"".join(k.hex().encode() + b"\n" for k in keys))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # the log only feeds KV events; an eviction never fails for it
 
     def _scan_total(self) -> int:
         return sum(f.size for f in self.files.scan())

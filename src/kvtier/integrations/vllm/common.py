@@ -41,6 +41,9 @@ class Transfer:
     salt: str | None = None
     """The request's ``cache_salt`` (None: the store's own tenant): chunk files are written and
     checked under the namespace their keys were made in."""
+    retain_until: float | None = None
+    """Keep these chunks in the disk tier and the pool ahead of unretained ones until then
+    (epoch seconds): the request's session asked for retention."""
 
 
 @dataclass
@@ -50,6 +53,9 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     num_tokens: int = 0  # tokens this step computes (for the worker's prefill rate)
+    retains: list[Transfer] = field(default_factory=list)
+    """Chunks a retained session already had when it was scheduled (vLLM's own hit, its load):
+    kept like its saves (``Transfer.retain_until``; no blocks)."""
     finished: list[str] = field(default_factory=list)
     """Finished requests whose blocks vLLM holds for kvtier (``request_finished`` said so):
     each rank reports them in ``get_finished`` once this step's saves of them are copied."""
@@ -63,13 +69,15 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     (keys are the rank's shard keys). ``reads``: one ``(tier, bytes, seconds)`` per load, the
     slowest tier it read from. ``prefill``: ``(tokens, seconds)`` of a forward pass that
     computed many tokens. ``disabled``: ranks whose connector turned itself off (a KV layout it
-    cannot handle): the scheduler stops reporting hits.
+    cannot handle): the scheduler stops reporting hits. ``tier_changes``: ``(tier, added, key)``
+    of the first rank's disk and pool tiers (with KV events on), evictions by other instances too.
     """
 
     host_changes: dict[int, list[tuple[bool, bytes]]] = field(default_factory=dict)
     reads: list[tuple[str, int, float]] = field(default_factory=list)
     prefill: list[tuple[int, float]] = field(default_factory=list)
     disabled: list[int] = field(default_factory=list)
+    tier_changes: list[tuple[str, bool, bytes]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Fold another rank's report into this one (vLLM calls it over all ranks)."""
@@ -79,12 +87,29 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
             self.reads.extend(other.reads)
             self.prefill.extend(other.prefill)
             self.disabled.extend(other.disabled)
+            self.tier_changes.extend(other.tier_changes)
         return self
+
+
+COUNTERS = ("matched_tokens", "loaded_tokens", "failed_blocks", "saved_chunks", "unavailable_tiers",
+            "skipped_requests", "resumed_loads", "disabled", "async_loads", "stopped_loads", "lookup_timeouts",
+            "decode_saves", "failed_loads", "lookup_tokens", "miss_tokens")
+"""The connector's own counters (the ``connector`` section of its metrics file); labelled ones
+are added as ``<prefix>.<label>`` keys when first counted (``decision.load``, ``unavailable.pool``)."""
+
+
+def new_counters(counters: dict[str, int] | None = None) -> dict[str, int]:
+    """``counters`` (a new dict when None) with every one of ``COUNTERS`` present."""
+    counters = {} if counters is None else counters
+    for name in COUNTERS:
+        counters.setdefault(name, 0)
+    return counters
 
 
 def tier_unavailable(counters: dict[str, int], name: str, exc: Exception) -> None:
     """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
     counters["unavailable_tiers"] += 1
+    counters[f"unavailable.{name}"] = counters.get(f"unavailable.{name}", 0) + 1
     log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
 
 

@@ -72,6 +72,13 @@ class ConnectorConfig:
     lookup_timeout_s: float = 2.0
     """A request's lookup runs in the background; a request whose lookup has not finished
     after this long is scheduled without a hit."""
+    retain_s: float = 0.0
+    """Server-wide default session retention: every request's chunks are kept in the disk tier
+    and the pool ahead of unretained ones for this long after its last save or hit (0: none). A
+    request sets its own with ``kv_transfer_params: {"kvtier": {"retain_s": 1800}}``."""
+    events_max_chunks: int = 16384
+    """With vLLM's KV events on: how many chunks' block hashes the scheduler remembers to
+    announce and withdraw them (about 2.5 KB each at 256 tokens per chunk)."""
     metrics_file: str | None = None
     """Rewrite ``<metrics_file>.<role>.json`` every 5 s and at shutdown."""
     config: str | None = None
@@ -80,7 +87,7 @@ class ConnectorConfig:
     """Tests only: ``{tier name: FaultyTier options}``."""
 
     KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
-            "lookup_timeout_s", "metrics_file", "config", "inject_faults")
+            "lookup_timeout_s", "retain_s", "events_max_chunks", "metrics_file", "config", "inject_faults")
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -91,6 +98,11 @@ class ConnectorConfig:
             raise ValueError(f"kvtier setting save_decode: expected true or false, got {self.save_decode!r}")
         object.__setattr__(self, "lookup_timeout_s", _number("lookup_timeout_s", self.lookup_timeout_s))
         object.__setattr__(self, "read_gbps", _number("read_gbps", self.read_gbps))
+        object.__setattr__(self, "retain_s", _number("retain_s", self.retain_s, strict=False))
+        if isinstance(self.events_max_chunks, bool) or not isinstance(self.events_max_chunks, int) \
+                or self.events_max_chunks < 1:
+            raise ValueError(f"kvtier setting events_max_chunks: expected an integer >= 1, got "
+                             f"{self.events_max_chunks!r}")
         if self.prefill_tokens_per_s is not None:
             rate = _number("prefill_tokens_per_s", self.prefill_tokens_per_s, strict=False)
             object.__setattr__(self, "prefill_tokens_per_s", rate or None)  # 0 means "measure it"

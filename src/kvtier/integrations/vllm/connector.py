@@ -10,6 +10,7 @@ forwards each call to ``SchedulerRole`` (``scheduler.py``) or ``WorkerRole`` (``
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,13 +21,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, MetricsFile
+from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, MetricsFile, new_counters
 from kvtier.integrations.vllm.config import REQUIRED_LAYOUT, ConnectorConfig, deployment, store_config
+from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.scheduler import SchedulerRole
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource, flatten
 from kvtier.integrations.vllm.worker import WorkerRole
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -34,6 +38,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+LOOKUP_FIELDS = ("lookups", "lookup_tokens", "hit_chunks", "hit_tokens", "timeouts")
+"""Tier counters the scheduler counts (its lookups); the workers count every other one."""
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -56,20 +63,25 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.deployment = deployment(vllm_config, kv_cache_config)
         rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0
         self.config = store_config(self.connector_config, settings, vllm_config, self.deployment, rank)
-        self.counters = {"matched_tokens": 0, "loaded_tokens": 0, "failed_blocks": 0, "saved_chunks": 0,
-                         "unavailable_tiers": 0, "skipped_requests": 0, "resumed_loads": 0, "disabled": 0,
-                         "async_loads": 0, "stopped_loads": 0, "lookup_timeouts": 0, "decode_saves": 0,
-                         "failed_loads": 0}
+        self.counters: dict[str, int] = new_counters()
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        events = bool(events_config is not None and getattr(events_config, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
+            chunk_events = ChunkEvents(self.config.chunk_tokens, self.deployment.block_size,
+                                       self.deployment.sharding.num_shards,
+                                       self.connector_config.events_max_chunks) if events else None
             self.scheduler = SchedulerRole(self.connector_config, self.config, self.deployment, self.counters,
-                                           inject_faults=bool(self.connector_config.inject_faults))
+                                           inject_faults=bool(self.connector_config.inject_faults),
+                                           events=chunk_events)
         else:
-            self.worker = WorkerRole(self.connector_config, self.config, self.deployment, rank, self.counters)
+            self.worker = WorkerRole(self.connector_config, self.config, self.deployment, rank, self.counters,
+                                     events=events)
         # One file per process: "scheduler", "worker" (rank 0), "worker1", ... (other ranks).
         label = role.name.lower() + (str(rank) if rank else "")
         self.metrics_file = MetricsFile(self.connector_config.metrics_file, label, self._snapshot)
+        self.stats = StatsSource(label, self._read_stats)
         # %s of the configs: their reprs redact secrets (a Redis password, credentials in a URL).
         log.info("kvtier connector (%s, rank %d of %d): %s; %s; %s", role.name, rank,
                  self.deployment.sharding.world_size, self.connector_config, self.config, self.deployment)
@@ -103,6 +115,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.scheduler is None:
             return False, None
         return self.scheduler.request_finished(request, block_ids), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """``BlockStored`` / ``BlockRemoved`` of kvtier's tiers since the last call (KV events on)."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -147,6 +163,41 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks() if self.worker is not None else set()
+
+    # ---------------------------------------------------------------- metrics on vLLM's /metrics
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """This process's counter increments and gauges since the last step (None: no change)."""
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _read_stats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(counters, gauges) of this process for ``stats.StatsSource``."""
+        counters: dict[str, float] = dict(self.counters)
+        if self.scheduler is not None:
+            views = {t.name: t.metrics.snapshot() for t in self.scheduler.rank_tiers.get(0, [])}
+            out, _ = flatten(counters, views, first_rank=True, tier_fields=LOOKUP_FIELDS.__contains__)
+            gauges = {"kvtier_lookups_in_flight": float(self.scheduler.lookups_in_flight()),
+                      "kvtier_disabled": float(self.scheduler.disabled)}
+            return out, gauges
+        assert self.worker is not None
+        worker, store = self.worker, self.worker.store
+        tiers = {t.name: t.metrics.snapshot() for t in store.tiers} if store is not None else {}
+        out, gauges = flatten(counters, tiers, first_rank=worker.rank == 0,
+                              tier_fields=lambda name: name not in LOOKUP_FIELDS)
+        gauges["kvtier_write_queue_chunks"] = float(store.write_queue if store is not None else 0)
+        if worker.rank == 0:
+            gauges["kvtier_loads_in_flight"] = float(worker.loads_in_flight)
+        gauges["kvtier_disabled"] = float(worker.disabled)
+        return out, gauges
 
     # ---------------------------------------------------------------- lifecycle
 

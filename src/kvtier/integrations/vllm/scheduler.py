@@ -20,6 +20,10 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
   ``sync`` the load goes with the step that schedules the request.
 * Preemption: a preempted request comes back with nothing computed; when it is rescheduled
   its hit is loaded into its new blocks exactly like a new request's.
+* Retention: a request's ``kv_transfer_params: {"kvtier": {"retain_s": N}}`` (else the
+  ``retain_s`` setting) keeps its session's chunks in the disk tier and the pool ahead of
+  unretained ones for N seconds after its last save (``Transfer.retain_until``).
+* KV events (with vLLM's ``--kv-events-config``): see ``events.py``.
 * Saves: every prompt chunk that a step completes; chunks vLLM's own prefix cache served are
   not saved again. When a request finishes (``save_decode``), the full chunks of its prompt and
   generated tokens, with its blocks held by vLLM until the workers have copied them.
@@ -43,8 +47,15 @@ from blake3 import blake3
 
 from kvtier.config import StoreConfig
 from kvtier.errors import TierUnavailableError
-from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer, tier_unavailable
+from kvtier.integrations.vllm.common import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    Transfer,
+    new_counters,
+    tier_unavailable,
+)
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
+from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.metrics import TierMetrics
 from kvtier.store import open_pool_tier
@@ -139,6 +150,7 @@ class _Lookup:
     first: int
     started: float
     future: cf.Future[list[str]]
+    decided: bool = False  # its outcome was counted (vLLM may ask again for the same lookup)
 
 
 @dataclass
@@ -155,15 +167,18 @@ class _Request:
     no_hit: bool = False  # a load of this request failed whole: never offer it a hit again
     lookup: _Lookup | None = None
     shard_ids: dict[int, list[ChunkId]] = field(default_factory=dict)
+    request: Any = None  # vLLM's Request (its block hashes, for KV events)
+    retain_s: float = 0.0  # the session asked kvtier to keep its chunks this long
+    retained: bool = False  # the chunks it had when first scheduled were sent for retention
 
 
 class SchedulerRole:
     """See the module docstring."""
 
     def __init__(self, connector: ConnectorConfig, store: StoreConfig, dep: Deployment,
-                 counters: dict[str, int], inject_faults: bool = False) -> None:
+                 counters: dict[str, int], inject_faults: bool = False, events: ChunkEvents | None = None) -> None:
         self.connector, self.config, self.dep = connector, store, dep
-        self.counters = counters
+        self.counters = new_counters(counters)
         self.chunk_tokens = store.chunk_tokens
         self.block_size = dep.block_size
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
@@ -182,6 +197,7 @@ class SchedulerRole:
         self._background_loads: list[Transfer] = []  # allocated this step, sent with the next metadata
         self._finishing: list[Transfer] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store.read_timeout_s, store.tier_cooldown_s)
+        self.events = events
         self.host_views: dict[int, HostView] = {}
         self.rank_tiers: dict[int, list[Tier]] = self._open_views(inject_faults)
 
@@ -248,9 +264,22 @@ class SchedulerRole:
                 salt = getattr(request, "cache_salt", None)
                 namespace = self.namespace if salt is None else self.namespace.with_salt(salt)
                 state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace,
-                                 salt, extra)
+                                 salt, extra, request=request, retain_s=self._retain_s(request))
             self._requests[request.request_id] = state
         return state
+
+    def _retain_s(self, request: Request) -> float:
+        """The request's ``kv_transfer_params: {"kvtier": {"retain_s": ...}}``, else the server's."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        mine = params.get("kvtier") if isinstance(params, dict) else None
+        if not isinstance(mine, dict) or "retain_s" not in mine:
+            return self.connector.retain_s
+        value = mine["retain_s"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            log.warning("kvtier: request %s: kv_transfer_params kvtier.retain_s must be a number >= 0, got %r; "
+                        "using the server's %g s", request.request_id, value, self.connector.retain_s)
+            return self.connector.retain_s
+        return float(value)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to load past ``num_computed_tokens`` (vLLM's own hit), and whether in the background.
@@ -285,6 +314,7 @@ class SchedulerRole:
             if time.monotonic() - lookup.started < self.connector.lookup_timeout_s:
                 return None, False
             self.counters["lookup_timeouts"] += 1
+            self._decided(lookup, "timeout")
             log.warning("kvtier: lookup of %s took over %.1f s (lookup_timeout_s); scheduled without a hit",
                         request.request_id, self.connector.lookup_timeout_s)
             state.lookup = None
@@ -296,14 +326,32 @@ class SchedulerRole:
             located = []
         chunk_tiers = [""] * lookup.first + located  # only chunks from ``first`` on are read
         found = len(chunk_tiers) * self.chunk_tokens
+        if not lookup.decided:
+            asked = (len(state.chunk_ids) - lookup.first) * self.chunk_tokens
+            self.counters["lookup_tokens"] += asked
+            self.counters["miss_tokens"] += asked - len(located) * self.chunk_tokens
         # vLLM must compute at least one prompt token itself.
         end = min(found, (state.prompt_len - 1) // self.block_size * self.block_size)
         ext = end - num_computed_tokens
-        if ext <= 0 or ext < self.connector.min_load_tokens \
-                or not self._pays_off(chunk_tiers, num_computed_tokens, end):
+        if ext <= 0:
+            self._decided(lookup, "miss")
             return 0, False
+        if ext < self.connector.min_load_tokens:
+            self._decided(lookup, "short")
+            return 0, False
+        if not self._pays_off(chunk_tiers, num_computed_tokens, end):
+            self._decided(lookup, "recompute")
+            return 0, False
+        self._decided(lookup, "load")
         state.load = (num_computed_tokens, end)
         return ext, self.connector.load_mode == "async"
+
+    def _decided(self, lookup: _Lookup, decision: str) -> None:
+        """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
+        if not lookup.decided:
+            lookup.decided = True
+            name = f"decision.{decision}"
+            self.counters[name] = self.counters.get(name, 0) + 1
 
     def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
         """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
@@ -349,6 +397,7 @@ class SchedulerRole:
             state.loading = False
             if state.load is not None:
                 meta.loads.append(self._emit_load(new.req_id, state))
+            self._retain_had(meta, new.req_id, state)
             self._recomputes_from(state, new.num_computed_tokens)
             self._plan_save(meta, new.req_id, state,
                             new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
@@ -369,6 +418,7 @@ class SchedulerRole:
             elif new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
             state.loading = False
+            self._retain_had(meta, req_id, state)
             computed = cached.num_computed_tokens[i]
             self._recomputes_from(state, computed)
             self._plan_save(meta, req_id, state, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
@@ -376,9 +426,19 @@ class SchedulerRole:
             self._requests.pop(req_id, None)
         return meta
 
+    def _retain_had(self, meta: KVTierMetadata, req_id: str, state: _Request) -> None:
+        """A retained session's chunks it did not compute (vLLM's hit, a load) are kept too."""
+        if state.retain_s > 0 and not state.retained and state.saved_chunks:
+            state.retained = True
+            meta.retains.append(Transfer(req_id, state.chunk_ids[:state.saved_chunks], [], salt=state.salt,
+                                         retain_until=time.time() + state.retain_s))
+
     def _emit_load(self, req_id: str, state: _Request) -> Transfer:
         assert state.load is not None
         start, end = state.load
+        if self.events is not None and state.request is not None:
+            self.events.remember(state.request, state.chunk_ids, start // self.chunk_tokens,
+                                 -(-end // self.chunk_tokens))
         # Counted here, not per lookup: vLLM asks again for a request it could not schedule yet.
         self.counters["matched_tokens"] += end - start
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
@@ -397,7 +457,8 @@ class SchedulerRole:
         blocks: list[int | None] = []
         for b in range(c0 * self.blocks_per_chunk, c1 * self.blocks_per_chunk):
             blocks.append(state.block_ids[b] if b_lo <= b < b_hi and b < len(state.block_ids) else None)
-        return Transfer(req_id, state.chunk_ids[c0:c1], blocks, salt=state.salt)
+        until = time.time() + state.retain_s if state.retain_s > 0 else None
+        return Transfer(req_id, state.chunk_ids[c0:c1], blocks, salt=state.salt, retain_until=until)
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, state: _Request, computed: int) -> None:
         full = min(computed, state.prompt_len) // self.chunk_tokens
@@ -405,6 +466,8 @@ class SchedulerRole:
         if full > state.saved_chunks:
             meta.saves.append(self._transfer(req_id, state, state.saved_chunks * self.chunk_tokens,
                                              full * self.chunk_tokens))
+            if self.events is not None and state.request is not None:
+                self.events.remember(state.request, state.chunk_ids, state.saved_chunks, full)
             state.saved_chunks = full
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
@@ -425,6 +488,8 @@ class SchedulerRole:
         tokens = list(request.all_token_ids[:full * self.chunk_tokens])
         state.chunk_ids = chunk_ids(state.namespace, tokens, state.extra)
         state.block_ids = list(block_ids)
+        if self.events is not None:
+            self.events.remember(request, state.chunk_ids, state.saved_chunks, full)
         self._finishing.append(self._transfer(request.request_id, state, state.saved_chunks * self.chunk_tokens,
                                               full * self.chunk_tokens))
         self.counters["decode_saves"] += full - state.saved_chunks
@@ -442,6 +507,12 @@ class SchedulerRole:
             view = self.host_views.get(rank)
             if view is not None:
                 view.apply(changes)
+            if rank == 0 and self.events is not None:
+                for added, key in changes:
+                    self.events.changed("host", added, key)
+        if self.events is not None:
+            for tier, added, key in meta.tier_changes:
+                self.events.changed(tier, added, key)
         for tier, nbytes, seconds in meta.reads:
             if seconds <= 0 or nbytes <= 0:
                 continue
@@ -457,6 +528,12 @@ class SchedulerRole:
                 self.prefill_tokens_per_s = rate if prev is None else 0.7 * prev + 0.3 * rate
 
     # ---------------------------------------------------------------- lifecycle
+
+    def lookups_in_flight(self) -> int:
+        return sum(1 for s in self._requests.values() if s.lookup is not None and not s.lookup.future.done())
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
 
     def snapshot(self) -> dict[str, Any]:
         tiers = {t.name: asdict(t.metrics.snapshot()) for t in self.rank_tiers.get(0, [])}

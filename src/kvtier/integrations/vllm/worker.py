@@ -35,7 +35,13 @@ import torch
 from kvtier.config import StoreConfig
 from kvtier.integrations.paged import LayoutError, PagedKV
 from kvtier.integrations.transfer import Loaded, LoadJob, PageMover
-from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Transfer, tier_unavailable
+from kvtier.integrations.vllm.common import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    Transfer,
+    new_counters,
+    tier_unavailable,
+)
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
 from kvtier.keys import ChunkId, shard_id
 from kvtier.store import TieredStore
@@ -44,15 +50,16 @@ log = logging.getLogger(__name__)
 
 SHARED_TIERS = ("pool", "redis")
 IDLE_WAIT_S = 0.005  # how long a step without a forward pass waits for a background load to end
+EVICTIONS_READ_S = 1.0  # how often the first rank reads the pool's eviction log (KV events on)
 
 
 class WorkerRole:
     """See the module docstring."""
 
     def __init__(self, connector: ConnectorConfig, store: StoreConfig, dep: Deployment, rank: int,
-                 counters: dict[str, int]) -> None:
+                 counters: dict[str, int], events: bool = False) -> None:
         self.connector, self.config, self.dep, self.rank = connector, store, dep, rank
-        self.counters = counters
+        self.counters = new_counters(counters)
         self.block_size = dep.block_size
         self.chunk_tokens = store.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
@@ -74,6 +81,10 @@ class WorkerRole:
         self._prefill_samples: list[tuple[int, float]] = []
         self._reads: list[tuple[str, int, float]] = []
         self._tier_order: dict[str, int] = {}
+        # KV events: the first rank reports its disk and pool changes (and the pool's evictions
+        # by anyone) to the scheduler, which publishes them.
+        self.events = events and rank == 0
+        self._evictions_read = 0.0
 
     def _disable(self, why: str) -> None:
         self.disabled = True
@@ -119,6 +130,13 @@ class WorkerRole:
             log.warning("kvtier: injecting faults into %s (a test setting)", sorted(faults))
         if store.host is not None:
             store.host.track_changes()
+        if self.events:
+            for tier in store.tiers:
+                journal = getattr(tier, "journal", None)
+                if journal is not None:
+                    journal.enable()
+                if hasattr(tier, "read_evictions"):
+                    tier.read_evictions()  # start at the log's end
         self._tier_order = {t.name: i for i, t in enumerate(store.tiers)}
         self.store = store
         if self.paged is not None:
@@ -206,6 +224,12 @@ class WorkerRole:
                 if mover.save(shard_id(cid, self.shard, sharding.num_shards), blocks,  # type: ignore[arg-type]
                               skip_tiers=self.skip_tiers, tag=tag, tenant_salt=save.salt):
                     self.counters["saved_chunks"] += 1
+            if save.retain_until is not None:
+                # Chunks host DRAM already had are not written again: retained where they are.
+                mover.store.retain(self._shard_ids(save.chunk_ids), save.retain_until)
+        for keep in meta.retains:
+            if keep.retain_until is not None:
+                mover.store.retain(self._shard_ids(keep.chunk_ids), keep.retain_until)
 
     def _collect_timings(self) -> None:
         """Prefill times measured with CUDA events, once the GPU has run them."""
@@ -234,17 +258,38 @@ class WorkerRole:
         self._holding -= sent
         return sent or None, recved or None
 
+    def _tier_changes(self) -> list[tuple[str, bool, bytes]]:
+        """The disk and pool tiers' changes since the last report (first rank, KV events on)."""
+        if not self.events or self.store is None:
+            return []
+        out: list[tuple[str, bool, bytes]] = []
+        read_log = time.monotonic() - self._evictions_read >= EVICTIONS_READ_S
+        for tier in self.store.tiers:
+            journal = getattr(tier, "journal", None)
+            if journal is not None:
+                out.extend((tier.name, added, key) for added, key in journal.drain())
+            if read_log and hasattr(tier, "read_evictions"):
+                self._evictions_read = time.monotonic()
+                out.extend((tier.name, False, key) for key in tier.read_evictions())
+        return out
+
     def report(self) -> KVTierWorkerMeta | None:
         """This step's report for the scheduler (None when there is nothing to say)."""
         changes = self.store.host.drain_changes() if self.store is not None and self.store.host else []
+        tier_changes = self._tier_changes()
         disabled = self.disabled and not self._reported_disabled
-        if not changes and not self._reads and not self._prefill_samples and not disabled:
+        if not changes and not tier_changes and not self._reads and not self._prefill_samples and not disabled:
             return None
         self._reported_disabled = self.disabled
         reads, self._reads = self._reads, []
         prefill, self._prefill_samples = self._prefill_samples, []
         return KVTierWorkerMeta(host_changes={self.rank: [(added, bytes(key)) for added, key in changes]},
-                                reads=reads, prefill=prefill, disabled=[self.rank] if disabled else [])
+                                reads=reads, prefill=prefill, disabled=[self.rank] if disabled else [],
+                                tier_changes=tier_changes)
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._jobs)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -1,0 +1,249 @@
+"""kvtier's counters on vLLM's own ``/metrics``, through vLLM's connector stats API.
+
+Each process of the connector (the scheduler, every worker rank) reports, once per engine
+step and only when something changed, the *increments* of its counters since its last report
+and the *current values* of its gauges (``StatsSource.take``). vLLM folds the workers' reports
+and the scheduler's into one ``KVTierStats`` (``aggregate``), ships its ``data`` dict to the
+API server process, and hands it to ``KVTierPromMetrics.observe``, which adds the increments
+to Prometheus counters and sets the gauges.
+
+Names follow Prometheus conventions: every name starts with ``kvtier_``, counters end in
+``_total``, units are in the names, and per-tier series carry a ``tier`` label (``host``,
+``disk``, ``pool``, ``redis``) beside vLLM's own ``model_name`` and ``engine`` labels. The
+per-tier names are the store's own (``kvtier.metrics.tier_metric_name``), so a dashboard built
+on ``TieredStore.registry`` reads the same series. ``METRICS`` is the list (docs/operations.md
+explains each).
+
+Which process counts what: lookups, hits and load/recompute decisions are the scheduler's;
+bytes, seconds, errors, writes and evictions are every rank's own (summed: with tensor
+parallelism every rank moves its shard); request-level counts (tokens loaded, chunks saved)
+come from the first rank only, so that they count requests' tokens, not shards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prometheus_client import REGISTRY, Gauge
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from kvtier.metrics import GAUGES, HELP, TierCounters, tier_metric_name
+
+SHARED_TIERS = ("pool", "redis")  # gauges of a shared tier: every rank sees the same bytes (max, not sum)
+SEP = "|"  # data keys: "<metric name>|<label value>|..." (msgpack-friendly strings)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str  # "counter" or "gauge"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+def _tier_metrics() -> list[Metric]:
+    out = []
+    for f in fields(TierCounters):
+        if f.name in LOAD_ERROR_CAUSES:
+            continue  # exported as kvtier_load_errors_total{cause}
+        out.append(Metric(tier_metric_name(f.name), "gauge" if f.name in GAUGES else "counter", HELP[f.name],
+                          ("tier",)))
+    return out
+
+
+LOAD_ERROR_CAUSES = {"failed_reads": "io_error", "timeouts": "timeout", "corrupt_chunks": "corrupt",
+                     "read_races": "vanished"}
+
+CONNECTOR_COUNTERS: dict[str, tuple[str, str]] = {
+    # counters-dict key: (metric name, help)
+    "matched_tokens": ("kvtier_matched_tokens_total", "Tokens the scheduler decided to load from kvtier"),
+    "loaded_tokens": ("kvtier_loaded_tokens_total", "Tokens loaded into vLLM's KV cache (first rank)"),
+    "failed_blocks": ("kvtier_load_failed_blocks_total", "vLLM blocks a load could not fill (vLLM recomputed "
+                                                         "them; first rank)"),
+    "saved_chunks": ("kvtier_saved_chunks_total", "Chunks copied out of vLLM's KV cache into kvtier (first rank)"),
+    "decode_saves": ("kvtier_decode_saved_chunks_total", "Chunks of finished requests (prompt and generated "
+                                                         "tokens) queued for saving"),
+    "async_loads": ("kvtier_background_loads_total", "Loads run in the background while the engine ran others"),
+    "resumed_loads": ("kvtier_preempted_loads_total", "Loads of preempted requests, back in new blocks"),
+    "stopped_loads": ("kvtier_stopped_loads_total", "Loads stopped because their request was aborted"),
+    "failed_loads": ("kvtier_failed_loads_total", "Background loads that delivered nothing (request recomputed)"),
+    "lookup_timeouts": ("kvtier_lookup_timeouts_total", "Requests scheduled without a hit: lookup_timeout_s passed"),
+    "skipped_requests": ("kvtier_skipped_requests_total", "Requests kvtier cannot key (prompt embeddings)"),
+    "lookup_tokens": ("kvtier_requested_tokens_total", "Full-chunk prompt tokens past vLLM's own prefix cache hit "
+                                                    "that were looked up"),
+    "miss_tokens": ("kvtier_missed_tokens_total", "Looked-up tokens found in no tier"),
+}
+LABELLED_COUNTERS: dict[str, tuple[str, str, str]] = {
+    # counters-dict key prefix ("<prefix>.<label value>"): (metric name, label, help)
+    "decision": ("kvtier_load_decisions_total", "decision",
+                 "What the scheduler did with a request's lookup: load, recompute (predicted slower than "
+                 "prefill), short (under min_load_tokens), miss (nothing past vLLM's own hit), timeout"),
+    "unavailable": ("kvtier_tier_unavailable_total", "tier",
+                    "Times a tier could not be opened or was left out (the engine served without it)"),
+}
+FIRST_RANK_ONLY = ("matched_tokens", "loaded_tokens", "failed_blocks", "saved_chunks", "stopped_loads")
+GAUGE_METRICS = [
+    Metric("kvtier_write_queue_chunks", "gauge", "Chunks queued for background writes to disk and pool"),
+    Metric("kvtier_loads_in_flight", "gauge", "Background loads running on the first rank"),
+    Metric("kvtier_lookups_in_flight", "gauge", "Requests whose lookup runs in the background"),
+    Metric("kvtier_disabled", "gauge", "1 when the connector turned itself off (see the engine log)"),
+]
+
+METRICS: list[Metric] = [
+    *_tier_metrics(),
+    Metric("kvtier_load_errors_total", "counter", "Chunks a load could not read, by cause: io_error, timeout, "
+           "corrupt (bad checksum, truncated, foreign), vanished (evicted between lookup and read)",
+           ("tier", "cause")),
+    *(Metric(name, "counter", help) for name, help in CONNECTOR_COUNTERS.values()),
+    *(Metric(name, "counter", help, (label,)) for name, label, help in LABELLED_COUNTERS.values()),
+    *GAUGE_METRICS,
+]
+BY_NAME = {m.name: m for m in METRICS}
+
+
+def key(name: str, *labels: str) -> str:
+    return SEP.join((name, *labels))
+
+
+def flatten(counters: Mapping[str, float], tiers: Mapping[str, TierCounters], *, first_rank: bool,
+            tier_fields: Callable[[str], bool] = lambda name: True) -> tuple[dict[str, float], dict[str, float]]:
+    """(counters, gauges) of one process, keyed as in ``KVTierStats.data``."""
+    out: dict[str, float] = {}
+    gauges: dict[str, float] = {}
+    for name, value in counters.items():
+        if name in CONNECTOR_COUNTERS:
+            if first_rank or name not in FIRST_RANK_ONLY:
+                out[key(CONNECTOR_COUNTERS[name][0])] = value
+        elif "." in name:
+            prefix, label = name.split(".", 1)
+            if prefix in LABELLED_COUNTERS:
+                out[key(LABELLED_COUNTERS[prefix][0], label)] = value
+    for tier, snap in tiers.items():
+        for f in fields(TierCounters):
+            if not tier_fields(f.name):
+                continue
+            value = getattr(snap, f.name)
+            if f.name in GAUGES:
+                gauges[key(tier_metric_name(f.name), tier)] = value
+            elif f.name in LOAD_ERROR_CAUSES:
+                k = key("kvtier_load_errors_total", tier, LOAD_ERROR_CAUSES[f.name])
+                out[k] = out.get(k, 0) + value
+            else:
+                out[key(tier_metric_name(f.name), tier)] = value
+    return out, gauges
+
+
+class StatsSource:
+    """One process's reports: increments since the last ``take`` and current gauges."""
+
+    def __init__(self, source: str, read: Callable[[], tuple[dict[str, float], dict[str, float]]]) -> None:
+        self.source = source
+        self._read = read
+        self._last: dict[str, float] = {}
+        self._last_gauges: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def take(self) -> KVTierStats | None:
+        """This process's changes since the last call, or None when nothing changed."""
+        with self._lock:
+            counters, gauges = self._read()
+            delta = {k: v - self._last.get(k, 0) for k, v in counters.items() if v != self._last.get(k, 0)}
+            self._last = counters
+            if not delta and gauges == self._last_gauges:
+                return None
+            self._last_gauges = gauges
+            return KVTierStats(data={"counters": delta, "gauges": {self.source: gauges}})
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):  # type: ignore[misc]
+    """``data``: ``{"counters": {key: increment}, "gauges": {source: {key: value}}}``."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("counters", {})
+        self.data.setdefault("gauges", {})
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Fold in another rank's (or a later step's) report: increments add, gauges are the
+        latest value of each source."""
+        if isinstance(other, KVTierStats):
+            counters = self.data["counters"]
+            for k, v in other.data["counters"].items():
+                counters[k] = counters.get(k, 0) + v
+            self.data["gauges"].update(other.data["gauges"])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals for vLLM's periodic log line (per metric, labels summed)."""
+        totals: dict[str, float] = {}
+        for k, v in self.data["counters"].items():
+            name = k.split(SEP, 1)[0].removeprefix("kvtier_").removesuffix("_total")
+            if name in ("hit_tokens", "loaded_tokens", "bytes_read", "bytes_written", "load_errors",
+                        "load_failed_blocks", "saved_chunks"):
+                totals[name] = totals.get(name, 0) + v
+        return {k: round(v, 3) for k, v in sorted(totals.items())}
+
+    def is_empty(self) -> bool:
+        return not self.data["counters"] and not self.data["gauges"]
+
+
+def gauge_value(tier: str | None, values: list[float]) -> float:
+    """Gauges of one key across sources: a shared tier's is the same bytes seen by every rank
+    (max); anything else each process holds on its own (sum)."""
+    return max(values) if tier in SHARED_TIERS else sum(values)
+
+
+def _unregister(names: set[str]) -> None:
+    """Drop kvtier collectors a previous build in this process registered (a second server or
+    engine in one process): prometheus_client refuses duplicate names."""
+    for collector in list(getattr(REGISTRY, "_collector_to_names", {})):
+        if set(REGISTRY._collector_to_names.get(collector, ())) & names:
+            REGISTRY.unregister(collector)
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """Prometheus families for ``METRICS``, fed by ``observe`` with ``KVTierStats.data``."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = set()
+        for m in METRICS:
+            base = m.name.removesuffix("_total")
+            names |= {m.name, base, base + "_created"}
+        _unregister(names)
+        self._families: dict[str, Any] = {}
+        for m in METRICS:
+            cls = self._counter_cls if m.kind == "counter" else self._gauge_cls
+            kwargs: dict[str, Any] = {"name": m.name, "documentation": m.help,
+                                      "labelnames": [*labelnames, *m.labels]}
+            if m.kind == "gauge" and cls is Gauge:
+                kwargs["multiprocess_mode"] = "mostrecent"
+            self._families[m.name] = cls(**kwargs)
+        self._gauges: dict[int, dict[str, dict[str, float]]] = {}  # engine -> source -> key -> value
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = self.per_engine_labelvalues.get(engine_idx, [])
+        for k, inc in (transfer_stats_data.get("counters") or {}).items():
+            name, *labels = k.split(SEP)
+            family = self._families.get(name)
+            if family is not None and inc > 0:
+                family.labels(*engine, *labels).inc(inc)
+        sources = self._gauges.setdefault(engine_idx, {})
+        for source, values in (transfer_stats_data.get("gauges") or {}).items():
+            sources[source] = values
+        merged: dict[str, list[float]] = {}
+        for values in sources.values():
+            for k, v in values.items():
+                merged.setdefault(k, []).append(v)
+        for k, values in merged.items():
+            name, *labels = k.split(SEP)
+            family = self._families.get(name)
+            if family is not None:
+                family.labels(*engine, *labels).set(gauge_value(labels[0] if labels else None, values))
