@@ -39,7 +39,8 @@ SectionKey = tuple[str, int]  # (workload, instances)
 
 # Known names first, in the order a reader compares them (baseline, then tiers, then peers);
 # anything else follows alphabetically.
-CONFIG_ORDER = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
+CONFIG_ORDER = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache", "vllm-offload-cpu",
+                "vllm-offload-fs")
 WORKLOAD_ORDER = ("cold-resume", "chat", "short-chat")
 # requests.csv columns, in this fixed order; keys a newer suite adds are appended, sorted.
 REQUEST_COLUMNS = (

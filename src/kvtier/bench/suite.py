@@ -10,6 +10,14 @@ the suite goes on. Configurations:
 * ``example-connector``: vLLM's ``ExampleConnector`` (a debug connector, safetensors files);
 * ``lmcache``: LMCache's multi-process server with its fs L2 adapter, and vLLM's
   ``LMCacheMPConnector``, from its own venv (``--lmcache-python``; see scripts/lmcache-venv.sh).
+* ``vllm-offload-cpu``: vLLM's native ``OffloadingConnector`` with its CPU tier
+  (``CPUOffloadingSpec``, ``cpu_bytes_to_use`` = ``host_bytes``); nothing survives a restart;
+* ``vllm-offload-fs``: the same connector with ``TieringOffloadingSpec``: the CPU tier plus its
+  filesystem secondary tier (``secondary_tiers: [{type: fs, root_dir}]``), whose directory
+  survives the restart like the shared pool.
+
+vLLM 0.32's offloading worker runs on CUDA-alike and XPU platforms only: on the CPU build both
+``vllm-offload-*`` configurations fail at engine start, and the suite records vLLM's error.
 
 Cold resume, one instance: populate every session (turn 0), restart the engine (its prefix
 cache and kvtier's host DRAM are gone; disk, pool and LMCache's server survive), resume
@@ -28,6 +36,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -40,10 +49,14 @@ from typing import Any
 import yaml
 
 from kvtier.bench.client import LoadClient, Record, Session, Target
-from kvtier.bench.engines import EngineError, Process, free_port
+from kvtier.bench.engines import EngineError, Process, free_port, root_cause
 from kvtier.bench.workload import TextMaker, WorkloadSpec, make_sessions
 
-CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
+CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache", "vllm-offload-cpu",
+           "vllm-offload-fs")
+# What a preset runs unless --configs says otherwise: vLLM's native offloading is opt-in, as
+# vLLM 0.32 runs it on CUDA and XPU only (on the CPU build both fail at start, as recorded).
+DEFAULT_CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
 SERVED_NAME = "bench"
 
 
@@ -53,7 +66,7 @@ class SuiteSpec:
 
     out: Path
     model: Path | None = None  # None: build the tiny model into OUT/model
-    configs: Sequence[str] = CONFIGS
+    configs: Sequence[str] = DEFAULT_CONFIGS
     concurrency: Sequence[int] = (1, 2, 4)
     instances: int = 1
     cold: WorkloadSpec = field(default_factory=lambda: WorkloadSpec("cold-resume", 6, (3072, 6144), 2, 32, 16))
@@ -95,6 +108,7 @@ class Recorder:
 
     def __init__(self, out: Path) -> None:
         self.path = out / "requests.jsonl"
+        self.path.touch()  # present even when every configuration fails, so the report still runs
         self.count = 0
         self.errors = 0
 
@@ -111,6 +125,35 @@ def engine_argv(spec: SuiteSpec, model: Path, port: int, max_len: int) -> list[s
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
             # A grace period on stop, so connectors flush (vLLM's default kills at once).
             "--shutdown-timeout", "30"]
+
+
+OFFLOAD_CHUNK_TOKENS = 256  # as kvtier's chunk_tokens: one offloaded chunk (and fs file) per 256 tokens
+
+
+def offloading_kv_config(spec: SuiteSpec, config: str, work: Path) -> dict[str, Any]:
+    """``--kv-transfer-config`` of vLLM's native ``OffloadingConnector`` (vllm/distributed/
+    kv_transfer/kv_connector/v1/offloading_connector.py; specs in vllm/v1/kv_offload).
+
+    ``spec_name`` picks the spec from vLLM's ``OffloadingSpecFactory``; ``cpu_bytes_to_use`` (bytes,
+    required by both) sizes its CPU tier, kvtier's ``host_bytes``; ``block_size`` is the tokens per
+    offloaded chunk (a multiple of the KV block size). ``vllm-offload-fs`` adds the filesystem tier
+    of ``TieringOffloadingSpec`` (``SecondaryTierFactory`` type ``fs``, files under ``root_dir``),
+    in the configuration's work dir, which the cold-resume restart keeps.
+    """
+    from kvtier.config import parse_bytes
+
+    extra: dict[str, Any] = {"cpu_bytes_to_use": parse_bytes(spec.host_bytes, "host_bytes"),
+                             "block_size": OFFLOAD_CHUNK_TOKENS}
+    if config == "vllm-offload-cpu":
+        extra["spec_name"] = "CPUOffloadingSpec"
+    elif config == "vllm-offload-fs":
+        extra["spec_name"] = "TieringOffloadingSpec"
+        root = (work / "fs").absolute()  # not relative to the engine's working directory (a relative --out)
+        root.mkdir(parents=True, exist_ok=True)
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": str(root)}]
+    else:
+        raise ValueError(f"not a vLLM offloading configuration: {config!r}")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 class ConfigRunner:
@@ -155,6 +198,8 @@ class ConfigRunner:
                 argv += ["--kv-transfer-config", json.dumps(kv)]
             elif c == "lmcache":
                 argv = self._lmcache(argv, args)
+            elif c in ("vllm-offload-cpu", "vllm-offload-fs"):
+                argv += ["--kv-transfer-config", json.dumps(offloading_kv_config(self.spec, c, self.work))]
             elif c != "recompute":
                 raise ValueError(f"unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
         return Process(f"{c} engine {i}", argv, self.logs / f"{c}-engine{i}.log", env,
@@ -230,6 +275,53 @@ def cold_sessions(spec: SuiteSpec, text: TextMaker) -> dict[int, list[Session]]:
     return out
 
 
+_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^\]]*\] ")
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*): (.+)$")
+
+
+def traceback_cause(path: Path) -> str | None:
+    """The first exception a Python traceback of the log's latest start ends with (``name: message``
+    right after an indented frame line), vLLM's ``(Worker pid=N) ERROR ... [file:line]`` prefix
+    removed: for exceptions whose name engines.root_cause does not know (``Exception``,
+    ``prometheus_client.registry.DuplicateTimeseries``)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("=== ") and " start: " in line]
+    previous = ""
+    for line in lines[starts[-1] if starts else 0:]:
+        line = _LOG_PREFIX.sub("", line)
+        m = _RAISED.match(line)
+        if m and previous.startswith("  "):
+            return f"{m.group(1)}: {m.group(2)}"[:400]
+        previous = line
+    return None
+
+
+def failure_text(exc: Exception, runner: ConfigRunner | None) -> str:
+    """The error recorded for a failed configuration, led by the root cause from its log.
+
+    A process that dies while starting raises with its log's tail, which for vLLM ends with the
+    API server's "Engine core initialization failed. See root cause above": the cause (the
+    worker's error) is further up. It is looked up (engines.root_cause, else the first traceback's
+    exception) and put first, as ``Process.check`` does for a process that dies later.
+    """
+    text = str(exc)
+    if runner is None:
+        return text
+    first = text.splitlines()[0] if text else ""
+    for proc in [*runner.helpers, *runner.engines]:
+        if str(proc.log) not in first:
+            continue
+        cause = root_cause(proc.log) or traceback_cause(proc.log)
+        if cause is None or cause in first:
+            return text
+        head = first.split("; log ", 1)[0].rstrip(":")
+        return f"{head}: {cause} (log: {proc.log})"
+    return text
+
+
 def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recorder: Recorder,
                origin: float, progress: Callable[[str], None]) -> dict[str, Any]:
     """Run every workload on one configuration; returns its configs.json entry."""
@@ -276,8 +368,10 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
                                        tags={**tags, "workload": w.workload, "concurrency": c}))
                 runner.check()
     except (EngineError, OSError, ValueError) as exc:
-        entry["status"], entry["error"] = "failed", str(exc)
-        progress(f"{config}: FAILED: {str(exc).splitlines()[0]}")
+        entry["status"], entry["error"] = "failed", failure_text(exc, runner)
+        if entry["error"] != str(exc):
+            entry["error_log_tail"] = str(exc)
+        progress(f"{config}: FAILED: {entry['error'].splitlines()[0]}")
     finally:
         if runner is not None:
             runner.stop()
