@@ -148,3 +148,14 @@ def test_serve_builds_vllms_server_command_from_a_kvtier_config(
 def test_serve_refuses_a_second_kv_transfer_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--print-command", "--", "--kv-transfer-config", "{}"]) == 2
     assert "set by kvtier serve" in capsys.readouterr().err
+
+
+def test_bench_is_rewritten_only_as_the_command_not_inside_other_arguments():
+    from kvtier.cli.bench_cmd import normalize
+
+    assert normalize(["bench", "--preset", "quick"]) == ["bench", "run", "--preset", "quick"]
+    assert normalize(["-v", "bench", "--url", "u"]) == ["-v", "bench", "run", "--url", "u"]
+    assert normalize(["bench", "suite", "--out", "x"]) == ["bench", "suite", "--out", "x"]
+    # The suite starts `kvtier serve -- ... --served-model-name bench`: an engine's argument.
+    serve = ["serve", "--config", "c.yaml", "--", "--served-model-name", "bench", "--port", "8000"]
+    assert normalize(serve) == serve

@@ -2,10 +2,10 @@
 
 One server writes a session to the shared pool with vLLM's KV events on (a ZMQ subscriber
 checks kvtier's ``BlockStored`` / ``BlockRemoved`` against the pool's files and against vLLM's
-own block hashes, and ``kvtier pool gc`` evictions reach it); a second server, started fresh
-on the same pool, resumes the session and its ``/metrics`` must count exactly what vLLM says
-it served from cache (``cached_tokens``); a request asking for retention leaves its chunks
-with mtimes in the future.
+own block hashes, and ``kvtier pool gc`` evictions reach it). Then, at tensor parallel 2, one
+server writes another session and a retained one (its chunks get mtimes in the future), and a
+fresh server resumes the session: its ``/metrics`` must count exactly what vLLM says it served
+from cache (``cached_tokens``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
 
 
 class Server:
-    def __init__(self, root: Path, model: Path, name: str, pool: Path, events_port: int | None) -> None:
+    def __init__(self, root: Path, model: Path, name: str, pool: Path, events_port: int | None, tp: int = 1) -> None:
         from kvtier.bench.engines import Process, free_port
 
         self.port = free_port()
@@ -47,13 +47,15 @@ class Server:
                                    "chunk_tokens": CHUNK}))
         args = ["--model", str(model), "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
                 "--enforce-eager", "--max-model-len", "4096", "--max-num-batched-tokens", "4096",
-                "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+                "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+                "--tensor-parallel-size", str(tp)]
         if events_port is not None:
             args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                        "endpoint": f"tcp://*:{events_port}",
                                                        "topic": "kv"})]
         argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *args]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0",
+               "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))}
         self.proc = Process(name, argv, root / f"{name}.log", env, ready_url=f"http://127.0.0.1:{self.port}/health")
         self.proc.start(timeout_s=600)
 
@@ -138,8 +140,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         out["removed"] = list(sub.drain(3.0))
     finally:
         a.stop()
-    # Instance B: the pool again (A's first prompt, re-written by a fresh A-like run below).
-    b = Server(root, root / "model", "b", pool, None)
+    # Instances B and C at tensor parallel 2 (the reference deployment shards KV over ranks):
+    # B writes a session (and a retained one), a fresh C resumes it from the pool.
+    b = Server(root, root / "model", "b", pool, None, tp=2)
     try:
         out["b_first"] = b.complete(_prompt(2))  # populates the pool from B itself
         for i in range(2):
@@ -151,7 +154,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         out["retain_written_at"] = time.time()
     finally:
         b.stop()
-    c = Server(root, root / "model", "c", pool, None)
+    c = Server(root, root / "model", "c", pool, None, tp=2)
     try:
         out["before"] = c.metrics()
         out["resume"] = c.complete(_prompt(2))
@@ -174,8 +177,11 @@ def test_kvtier_counters_on_vllm_metrics_match_what_vllm_served_from_cache(fleet
     assert value(before, "kvtier_loaded_tokens_total") == 0
     assert value(after, "kvtier_loaded_tokens_total") == cached
     assert value(after, "kvtier_matched_tokens_total") == cached
-    # The lookup found whole chunks in the pool, the load read them (bytes and seconds).
+    # The lookup found whole chunks in the pool, the load read them (bytes and seconds), on
+    # both ranks: each read its own shard (half of a chunk's bytes), and the bytes add up.
     assert value(after, "kvtier_hit_tokens_total", tier="pool") >= cached
+    chunk_file_payload = CHUNK * 2048  # the tiny model's KV: 2 KiB per token, split over 2 ranks
+    assert value(after, "kvtier_bytes_read_total", tier="pool") >= cached // CHUNK * chunk_file_payload
     assert value(after, "kvtier_hit_chunks_total", tier="pool") * CHUNK == value(after, "kvtier_hit_tokens_total",
                                                                                   tier="pool")
     assert value(after, "kvtier_bytes_read_total", tier="pool") > 0

@@ -20,6 +20,8 @@ SUBCOMMANDS = ("run", "suite", "report")
 
 
 def add_parser(sub: Any) -> None:
+    from kvtier.bench.suite import CONFIGS
+
     bench = sub.add_parser(
         "bench", help="benchmark an OpenAI-compatible server, or run the side-by-side suite",
         description="Long-context cold-resume benchmarks. `kvtier bench run` drives any OpenAI-compatible "
@@ -72,7 +74,8 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--out", required=True, help="result folder (created; must not hold a run)")
     suite.add_argument("--model", default=None, help="HF model dir (default: build the tiny model)")
     suite.add_argument("--configs", default=None,
-                       help="comma-separated subset of recompute,local-disk,shared-pool,example-connector,lmcache")
+                       help="comma-separated subset of " + ",".join(CONFIGS) + " (vllm-offload-*: vLLM's own "
+                            "OffloadingConnector; it needs a CUDA or XPU GPU in vLLM 0.32)")
     suite.add_argument("--concurrency", type=positive_ints, default=None, help="override the preset's levels")
     suite.add_argument("--instances", type=int, choices=(1, 2), default=1)
     suite.add_argument("--context", type=token_range, default=None, help="override the cold-resume context range")
@@ -96,9 +99,13 @@ def add_parser(sub: Any) -> None:
 
 
 def normalize(argv: list[str]) -> list[str]:
-    """``kvtier bench ARGS`` -> ``kvtier bench run ARGS`` when no action is named."""
-    if "bench" in argv:
-        i = argv.index("bench")
+    """``kvtier bench ARGS`` -> ``kvtier bench run ARGS`` when no action is named.
+
+    Only the command itself (the first argument that is not an option) is looked at: ``bench``
+    elsewhere, e.g. ``kvtier serve -- --served-model-name bench``, is an argument to leave alone.
+    """
+    i = next((j for j, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is not None and argv[i] == "bench":
         rest = argv[i + 1:]
         if rest and rest[0] not in (*SUBCOMMANDS, "-h", "--help"):
             return [*argv[:i + 1], "run", *rest]

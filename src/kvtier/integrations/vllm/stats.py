@@ -181,7 +181,7 @@ class KVTierStats(KVConnectorStats):  # type: ignore[misc]
 
     def reduce(self) -> dict[str, int | float]:
         """The interval's totals for vLLM's periodic log line (per metric, labels summed)."""
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"loaded_tokens": 0, "hit_tokens": 0}
         for k, v in self.data["counters"].items():
             name = k.split(SEP, 1)[0].removeprefix("kvtier_").removesuffix("_total")
             if name in ("hit_tokens", "loaded_tokens", "bytes_read", "bytes_written", "load_errors",
