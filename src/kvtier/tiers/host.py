@@ -22,7 +22,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, aligned_buffer
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, aligned_buffer
 
 
 class Lease:
@@ -68,7 +68,7 @@ class HostTier:
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         # (added?, key) in order, kept only once track_changes() was called: an engine
         # integration ships it to another process that mirrors what this tier holds.
-        self._journal: list[tuple[bool, ChunkKey]] | None = None
+        self.journal = ChangeJournal()
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -163,22 +163,16 @@ class HostTier:
             self._slots[slot].pins -= 1
 
     def _record(self, added: bool, key: ChunkKey) -> None:
-        if self._journal is not None:
-            self._journal.append((added, key))
+        self.journal.record(added, key)
 
     def track_changes(self) -> None:
-        """Start journaling additions and evictions for ``drain_changes``."""
+        """Start journaling additions and evictions (held chunks first) for ``drain_changes``."""
         with self._lock:
-            if self._journal is None:
-                self._journal = [(True, key) for key in self._index]
+            self.journal.enable(list(self._index))
 
     def drain_changes(self) -> list[tuple[bool, ChunkKey]]:
         """``(added, key)`` events since the last call, oldest first (empty unless tracking)."""
-        with self._lock:
-            if not self._journal:
-                return []
-            out, self._journal = self._journal, []
-            return out
+        return self.journal.drain()  # type: ignore[return-value]
 
     def _publish_gauges(self) -> None:
         self.metrics.set(chunks=len(self._index), bytes=len(self._index) * self.slot_bytes)
@@ -264,8 +258,8 @@ class HostTier:
 
     def close(self) -> None:
         with self._lock:
-            if self._journal is not None:
-                self._journal.extend((False, key) for key in self._index)
+            for key in self._index:
+                self.journal.record(False, key)
             self._index.clear()
             self._slots = [_Slot() for _ in range(self.num_slots)]
             self._free = list(range(self.num_slots - 1, -1, -1))
