@@ -7,9 +7,10 @@ not fight over global metric names.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -87,7 +88,7 @@ class TierMetrics:
 
     def snapshot(self) -> TierCounters:
         with self._lock:
-            return TierCounters(**asdict(self._c))
+            return copy.copy(self._c)  # flat fields of numbers: a shallow copy is a snapshot
 
 
 class StoreCollector(Collector):

@@ -102,6 +102,7 @@ METRICS: list[Metric] = [
     *GAUGE_METRICS,
 ]
 BY_NAME = {m.name: m for m in METRICS}
+_FIELD_NAMES = [(f.name, tier_metric_name(f.name)) for f in fields(TierCounters)]  # flatten runs every step
 
 
 def key(name: str, *labels: str) -> str:
@@ -122,17 +123,17 @@ def flatten(counters: Mapping[str, float], tiers: Mapping[str, TierCounters], *,
             if prefix in LABELLED_COUNTERS:
                 out[key(LABELLED_COUNTERS[prefix][0], label)] = value
     for tier, snap in tiers.items():
-        for f in fields(TierCounters):
-            if not tier_fields(f.name):
+        for name, metric in _FIELD_NAMES:
+            if not tier_fields(name):
                 continue
-            value = getattr(snap, f.name)
-            if f.name in GAUGES:
-                gauges[key(tier_metric_name(f.name), tier)] = value
-            elif f.name in LOAD_ERROR_CAUSES:
-                k = key("kvtier_load_errors_total", tier, LOAD_ERROR_CAUSES[f.name])
+            value = getattr(snap, name)
+            if name in GAUGES:
+                gauges[key(metric, tier)] = value
+            elif name in LOAD_ERROR_CAUSES:
+                k = key("kvtier_load_errors_total", tier, LOAD_ERROR_CAUSES[name])
                 out[k] = out.get(k, 0) + value
             else:
-                out[key(tier_metric_name(f.name), tier)] = value
+                out[key(metric, tier)] = value
     return out, gauges
 
 
