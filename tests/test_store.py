@@ -621,11 +621,33 @@ def test_retention_reaches_the_disk_and_pool_copies_even_of_chunks_written_later
     tokens = tiny.tokens(48)
     ids = store.chunk_ids(tokens)
     until = time.time() + 3600
-    assert store.retain(ids[:1], until)  # before anything is written
+    store.retain(ids[:1], until)  # before anything is written
     store.put(tokens, tiny.kv(48))
     store.flush()
-    assert store.retain(ids[1:2], until)  # after
+    store.retain(ids[1:2], until)  # after
     store.flush()
     for tier in store.tiers[1:]:
         mtimes = [tier.files.path_for(cid.key).stat().st_mtime for cid in ids]
         assert mtimes[0] == mtimes[1] == pytest.approx(until) and mtimes[2] < until - 3000, tier.name
+
+
+def test_retention_of_chunks_already_written_does_not_wait_behind_a_full_write_queue(make_store, tiny, tmp_path,
+                                                                                    monkeypatch):
+    store = make_store(pool_url=f"fs://{tmp_path}/p", write_queue_chunks=1)
+    tokens = tiny.tokens(48)
+    ids = store.chunk_ids(tokens)
+    store.put(tokens[:16], tiny.kv(16))
+    store.flush()
+    pool = store.tiers[-1]
+    stuck = threading.Event()
+    store_chunk = pool.store
+    monkeypatch.setattr(pool, "store", lambda chunk, spec: (stuck.wait(10), store_chunk(chunk, spec))[1])
+    store.put(tokens, tiny.kv(48))  # chunk 1 blocks the writer, chunk 2 fills the queue
+    until = time.time() + 3600
+    store.retain(ids[:1], until)
+    path = pool.files.path_for(ids[0].key)
+    deadline = time.monotonic() + 5
+    while path.stat().st_mtime < until - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert path.stat().st_mtime == pytest.approx(until)
+    stuck.set()

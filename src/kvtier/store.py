@@ -228,6 +228,7 @@ class TieredStore:
         self._retained_lock = threading.Lock()
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
                                         after_store=self._apply_retention)
+        self._retainer = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-retain")
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
         self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s)
         self._closed = False
@@ -620,10 +621,11 @@ class TieredStore:
         lease.release()
         return False
 
-    def retain(self, ids: Sequence[ChunkId], until: float) -> bool:
+    def retain(self, ids: Sequence[ChunkId], until: float) -> None:
         """Keep ``ids`` in the disk tier and the pool ahead of unretained chunks until ``until``
-        (epoch seconds), including any of them written later. Never waits for I/O; False when
-        the write queue was full (nothing was queued)."""
+        (epoch seconds), including any of them written later. Never waits for I/O: the chunks
+        already there are retained by a thread of their own, not queued behind (or dropped by)
+        the write queue."""
         self._check_open()
         now = time.time()
         with self._retained_lock:
@@ -632,7 +634,17 @@ class TieredStore:
             for cid in ids:
                 self._retained[cid.key] = max(until, self._retained.get(cid.key, 0.0))
         lower = [t for t in self.tiers if t is not self.host]
-        return self._writer.submit_retain([cid.key for cid in ids], until, lower) if lower else True
+        if lower:
+            self._retainer.submit(self._retain_present, [cid.key for cid in ids], until, lower)
+
+    @staticmethod
+    def _retain_present(keys: Sequence[bytes], until: float, tiers: Sequence[Tier]) -> None:
+        for tier in tiers:
+            for key in keys:
+                try:
+                    retain_in(tier, key, until)
+                except Exception:  # best effort: a tier bug must not stop the others
+                    log.exception("tier %s raised on retain", tier.name)
 
     def _apply_retention(self, tier: Tier, key: bytes) -> None:
         until = self._retained.get(key)
@@ -658,8 +670,9 @@ class TieredStore:
         return self.host.pin_memory(register) if self.host is not None else True
 
     def flush(self) -> None:
-        """Block until every queued background write has been attempted."""
+        """Block until every queued background write (and retention) has been attempted."""
         self._writer.flush()
+        self._retainer.submit(lambda: None).result()  # one thread, in order: the ones before are done
 
     def close(self) -> None:
         """Flush pending writes, stop threads, release tiers. Idempotent."""
@@ -671,6 +684,7 @@ class TieredStore:
         # Reads still running are abandoned, not awaited: their callers gave up on them after
         # read_timeout_s, and a hung filesystem must not hang shutdown (and the metrics after it).
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._retainer.shutdown(wait=False, cancel_futures=True)  # best effort, like a read: never hang exit
         self._guard.close()
         for tier in self.tiers:
             tier.close()

@@ -27,13 +27,6 @@ class _Write:
     on_done: Callable[[], None] | None
 
 
-@dataclass(frozen=True)
-class _Retain:
-    keys: Sequence[bytes]
-    until: float
-    tiers: Sequence[Tier]
-
-
 def retain_in(tier: Tier, key: bytes, until: float) -> None:
     """Retention in a tier that supports it (disk, pool); a no-op elsewhere (host DRAM, Redis)."""
     retain = getattr(tier, "retain", None)
@@ -48,7 +41,7 @@ class BackgroundWriter:
     def __init__(self, max_queued: int, num_threads: int = 1,
                  after_store: Callable[[Tier, bytes], None] | None = None) -> None:
         self._after_store = after_store
-        self._queue: queue.Queue[_Write | _Retain | None] = queue.Queue(max_queued)
+        self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
                          for i in range(num_threads)]
         self._closed = False
@@ -66,16 +59,6 @@ class BackgroundWriter:
         except queue.Full:
             for tier in tiers:
                 tier.metrics.add(dropped_writes=1)
-            return False
-
-    def submit_retain(self, keys: Sequence[bytes], until: float, tiers: Sequence[Tier]) -> bool:
-        """Queue retention of ``keys`` in ``tiers``; False if the queue is full."""
-        if self._closed:
-            raise RuntimeError("store is closed")
-        try:
-            self._queue.put_nowait(_Retain(keys, until, tiers))
-            return True
-        except queue.Full:
             return False
 
     @property
@@ -101,14 +84,6 @@ class BackgroundWriter:
             try:
                 if item is None:
                     return
-                if isinstance(item, _Retain):
-                    for tier in item.tiers:
-                        for key in item.keys:
-                            try:
-                                retain_in(tier, key, item.until)
-                            except Exception:  # retention is best effort; the writer thread must live
-                                log.exception("tier %s raised on retain", tier.name)
-                    continue
                 for tier in item.tiers:
                     try:
                         result = tier.store(item.chunk, item.spec)
@@ -121,6 +96,6 @@ class BackgroundWriter:
                     elif self._after_store is not None:
                         self._after_store(tier, item.chunk.id.key)
             finally:
-                if isinstance(item, _Write) and item.on_done is not None:
+                if item is not None and item.on_done is not None:
                     item.on_done()
                 self._queue.task_done()

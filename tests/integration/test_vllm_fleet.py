@@ -142,7 +142,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         a.stop()
     # Instances B and C at tensor parallel 2 (the reference deployment shards KV over ranks):
     # B writes a session (and a retained one), a fresh C resumes it from the pool.
-    b = Server(root, root / "model", "b", pool, None, tp=2)
+    b_events = free_port()
+    b_sub = Subscriber(b_events)
+    b = Server(root, root / "model", "b", pool, b_events, tp=2)
     try:
         out["b_first"] = b.complete(_prompt(2))  # populates the pool from B itself
         for i in range(2):
@@ -152,6 +154,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         time.sleep(2.0)
         b.complete(_prompt(400, 20))
         out["retain_written_at"] = time.time()
+        out["b_stored"] = list(b_sub.drain(3.0))
+        out["pool_after_b"] = pool_keys(pool)
     finally:
         b.stop()
     c = Server(root, root / "model", "c", pool, None, tp=2)
@@ -232,3 +236,12 @@ def test_a_request_asking_for_retention_keeps_its_chunks_ahead_of_lru(fleet: dic
     # The retained prompt's full chunks (5 or more) got mtime = now + 3600 s; the others did not.
     assert len(retained) >= fleet["retained"]["usage"]["prompt_tokens"] // CHUNK - 1 >= 4
     assert len(retained) < len(mtimes)
+
+
+def test_at_tensor_parallel_2_a_chunk_is_announced_once_for_its_two_shard_files(fleet: dict[str, Any]) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    pool = [e for e in fleet["b_stored"] if isinstance(e, BlockStored) and e.ownership == "pool"]
+    assert len(pool) >= 8  # two 1,500-token prompts: 5 full chunks each
+    assert 2 * len(pool) == len(fleet["pool_after_b"])  # each chunk is a shard file per rank
+    assert len({tuple(e.block_hashes) for e in pool}) == len(pool)
