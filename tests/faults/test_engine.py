@@ -18,6 +18,8 @@ if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
 from faults.engine import Bench, hanging_pool, shared_pool_with_gc, storage_faults, tenant_isolation
 from faults.harness import SCALES, is_root
 
+pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
+
 SCALE = SCALES["ci"]
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
+
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 

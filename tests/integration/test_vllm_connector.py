@@ -20,6 +20,8 @@ import pytest
 
 from integration import _runs
 
+pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
+
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 

@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
+
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
