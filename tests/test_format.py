@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvtier.format import (
     _FIELDS,
     ALIGN,
+    FIELD_OFFSETS,
     HEADER_BYTES,
     HEADER_STRUCT_BYTES,
     MAGIC,
@@ -28,7 +29,7 @@ from kvtier.format import (
 from kvtier.keys import FORMAT_VERSION, chunk_ids
 from kvtier.layout import DTYPE_CODES
 
-_NDIM_OFFSET = struct.calcsize("<8sHHI32s32s32s32s32sIH")  # byte offset of the ndim field
+_NDIM_OFFSET = FIELD_OFFSETS["ndim"]
 _hyp = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

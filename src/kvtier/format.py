@@ -15,6 +15,7 @@ Header (little-endian)::
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from dataclasses import dataclass
 
@@ -31,6 +32,32 @@ FLAG_EXTRA = 1
 _FIELDS = struct.Struct("<8sHHI32s32s32s32s32sIHH5IQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_STRUCT_BYTES = _FIELDS.size + _CHECK.size
+FIELD_NAMES = ("magic", "version", "flags", "header_bytes", "namespace", "key", "parent", "tokens_digest",
+               "extra_digest", "num_tokens", "dtype_code", "ndim", "dim0", "dim1", "dim2", "dim3", "dim4",
+               "payload_bytes", "payload_xxh3")
+
+
+def _field_offsets() -> dict[str, int]:
+    """Byte offset of each header field (tools and tests that edit a header in place)."""
+    offsets: dict[str, int] = {}
+    names = iter(FIELD_NAMES)
+    pos = 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", _FIELDS.format[1:]):
+        n = 1 if code == "s" else int(count or 1)
+        size = struct.calcsize("<" + (count if code == "s" else "") + code)
+        for _ in range(n):
+            offsets[next(names)] = pos
+            pos += size
+    return offsets
+
+
+FIELD_OFFSETS = _field_offsets()
+CHECKSUM_OFFSET = _FIELDS.size  # the header checksum (xxh3-64 of the fields) follows them
+
+
+def seal_header(image: bytearray) -> None:
+    """Make a header's checksum match its fields again, after editing them in place."""
+    image[CHECKSUM_OFFSET:HEADER_STRUCT_BYTES] = _CHECK.pack(xxhash.xxh3_64_intdigest(bytes(image[:CHECKSUM_OFFSET])))
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

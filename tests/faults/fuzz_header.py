@@ -27,17 +27,16 @@ from pathlib import Path
 import atheris
 import numpy  # noqa: F401  (imported before instrumentation: only kvtier is instrumented)
 import torch
-import xxhash
 
 with atheris.instrument_imports(include=["kvtier"]):
     from kvtier import admin
     from kvtier.format import (
-        _FIELDS,
         HEADER_STRUCT_BYTES,
         PAYLOAD_OFFSET,
         ChunkError,
         ChunkFault,
         ChunkSpec,
+        seal_header,
         unpack_header,
     )
     from kvtier.keys import Namespace, chunk_ids
@@ -62,8 +61,7 @@ def test_one_input(data: bytes) -> None:
         return
     mode, image = data[0], bytearray(data[1:])
     if mode & 4 and len(image) >= HEADER_STRUCT_BYTES:
-        image[_FIELDS.size:HEADER_STRUCT_BYTES] = xxhash.xxh3_64_intdigest(bytes(image[:_FIELDS.size])).to_bytes(
-            8, "little")
+        seal_header(image)
     buf = bytes(image)
     target = mode % 3
     if target == 0:

@@ -21,14 +21,12 @@ from unittest import mock
 
 import pytest
 import torch
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import TieredStore, admin
 from kvtier.config import load_settings
 from kvtier.format import (
-    _FIELDS,
     HEADER_BYTES,
     HEADER_STRUCT_BYTES,
     MAGIC,
@@ -37,6 +35,7 @@ from kvtier.format import (
     ChunkFault,
     ChunkHeader,
     file_bytes_for,
+    seal_header,
     unpack_header,
 )
 from kvtier.keys import FORMAT_VERSION, ChunkKey
@@ -50,7 +49,6 @@ from .harness import SCALES
 from .hostile import KINDS, hostile_files
 
 _fuzz = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-_CHECK_OFFSET = _FIELDS.size  # the header checksum follows the fields it covers
 
 
 def _image(tiny: Any, seed: int = 0) -> tuple[Any, bytes]:
@@ -59,10 +57,7 @@ def _image(tiny: Any, seed: int = 0) -> tuple[Any, bytes]:
     return chunk, bytes(tiny.image(chunk))
 
 
-def _rechecksum(image: bytearray) -> None:
-    """Make the header's checksum match its (possibly mutated) fields again."""
-    image[_CHECK_OFFSET:HEADER_STRUCT_BYTES] = xxhash.xxh3_64_intdigest(bytes(image[:_CHECK_OFFSET])).to_bytes(
-        8, "little")
+_rechecksum = seal_header  # make the header's checksum match its (possibly mutated) fields again
 
 
 mutations = st.lists(st.tuples(st.integers(0, 3 * HEADER_BYTES), st.integers(1, 255)), max_size=6)
