@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.cli.main import emit_json
+from kvtier.cli.output import emit_json
 from kvtier.cli.probe_cmd import probe_table
 from kvtier.layout import KVLayout
 from kvtier.probe import run_probe

@@ -11,8 +11,8 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
 
+from kvtier.cli.output import emit_json
 from kvtier.config import parse_bytes
 
 
@@ -150,10 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
     return 1
-
-
-def emit_json(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 if __name__ == "__main__":

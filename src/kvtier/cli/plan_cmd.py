@@ -159,7 +159,7 @@ def _workload_maker(args: argparse.Namespace) -> Any:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from kvtier.cli.main import emit_json
+    from kvtier.cli.output import emit_json
     from kvtier.plan import calibrate as cal_mod
     from kvtier.plan.check import cells_markdown, check
 
@@ -176,7 +176,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.cli.main import emit_json
+    from kvtier.cli.output import emit_json
     from kvtier.plan.report import render_table, run_plan, write_png
     from kvtier.plan.spec import default_configs, hardware_to_dict
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier import admin
-from kvtier.cli.main import emit_json
+from kvtier.cli.output import emit_json
 
 
 def _gib(n: int) -> str:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.cli.main import emit_json
+from kvtier.cli.output import emit_json
 from kvtier.layout import KVLayout
 from kvtier.probe import ProbeResult, run_probe
 from kvtier.tiers.redis import is_redis_url
