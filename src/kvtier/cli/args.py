@@ -24,3 +24,13 @@ def token_range(text: str) -> tuple[int, int]:
         return parse_range(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def byte_size(value: str) -> int:
+    """``"500GiB"``, ``"64MB"`` or a plain number of bytes."""
+    from kvtier.config import parse_bytes
+
+    try:
+        return parse_bytes(value if not value.isdigit() else int(value), "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -124,6 +124,17 @@ def engine_table(scenario: dict[str, Any]) -> Table:
     return table
 
 
+def add_parser(sub: Any) -> None:
+    """The command's argparse sub-parser."""
+    demo = sub.add_parser("demo", help="the embedded default: probe a temp dir and run a store round trip",
+                          description="With vLLM installed: the seed's cold-resume scenario (instance A "
+                                      "prefills long sessions into a pool, a new instance B resumes them; TTFT "
+                                      "of both). Then a probe of a temporary directory and a store round trip.")
+    demo.add_argument("--dir", default=None, help="where to put the temporary data (default: system temp)")
+    demo.add_argument("--no-engine", action="store_true", help="skip the vLLM scenario even when vLLM is installed")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def run(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="kvtier-demo-", dir=args.dir))
     err = Console(stderr=True)

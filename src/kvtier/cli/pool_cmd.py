@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kvtier import admin
+from kvtier.cli.args import byte_size
 from kvtier.cli.output import emit_json
 
 
@@ -21,6 +23,23 @@ def _age(s: float | None) -> str:
     if s is None:
         return "-"
     return time.strftime("%H:%M:%S", time.gmtime(s)) if s < 86400 else f"{s / 86400:.1f} d"
+
+
+def add_parser(sub: Any) -> None:
+    """The command's argparse sub-parser."""
+    pool = sub.add_parser("pool", help="inspect and maintain a pool or disk-tier directory")
+    pool_sub = pool.add_subparsers(dest="pool_command", required=True, metavar="ACTION")
+    stats = pool_sub.add_parser("stats", help="chunks, bytes, namespaces and age")
+    verify = pool_sub.add_parser("verify", help="check every chunk's header, size, checksum and key")
+    verify.add_argument("--fix", action="store_true", help="remove the chunks that fail")
+    gc = pool_sub.add_parser("gc", help="evict least recently used chunks down to --max-bytes; "
+                                        "remove stale temp files")
+    gc.add_argument("--max-bytes", type=byte_size, required=True, help="budget, e.g. 500GiB")
+    gc.add_argument("--tmp-age", type=float, default=3600.0,
+                    help="remove temp files older than this many seconds (default 3600)")
+    for p in (stats, verify, gc):
+        p.add_argument("path", help="the pool directory (the PATH of fs://PATH) or a disk_path")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:

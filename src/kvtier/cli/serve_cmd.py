@@ -48,6 +48,18 @@ def command(args: argparse.Namespace) -> list[str]:
             "--kv-transfer-config", json.dumps(transfer_config(args.config))]
 
 
+def add_parser(sub: Any) -> None:
+    """The command's argparse sub-parser."""
+    serve = sub.add_parser(
+        "serve", help="start vLLM's OpenAI server with the kvtier connector",
+        description="Start `python -m vllm.entrypoints.openai.api_server ARGS` with --kv-transfer-config "
+                    "naming KVTierConnector, configured from a kvtier YAML file. Example: "
+                    "kvtier serve --config kvtier.yaml -- --model DIR --port 8000")
+    serve.add_argument("--config", default=None, help="kvtier settings (YAML: pool_url, host_bytes, disk_path, ...)")
+    serve.add_argument("--print-command", action="store_true", help="print the command as JSON instead of running it")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for vLLM's server, after --")
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = command(args)
     if args.print_command:
