@@ -392,7 +392,7 @@ def engine(args: argparse.Namespace, out: Path, pool_dir: Path, name: str,
     cfg.write_text(yaml.safe_dump(settings))
     argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *vllm_args]
     env = {"PYTHONUNBUFFERED": "1",
-           # As in the suite: all configurations compute on the same cores (see docs/bench.md).
+           # As in the suite: all configurations compute on the same cores (see docs/benchmark-kit.md).
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
     log = out / "logs" / ("ramp-engine.log" if ramp else "engine.log")
     proc = Process(name, argv, log, env, ready_url=f"http://127.0.0.1:{port}/health")
@@ -1062,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--concurrency", type=int, default=8,
                    help="sessions in flight (default 8: on the 2-core reference machine, the highest level of "
                         "4/8/16 with no error and TTFT p99 within 10 s in every ramp; see the soak section of "
-                        "docs/reliability.md)")
+                        "docs/reliability-record.md)")
     g.add_argument("--interval", type=float, default=10.0, help="seconds between samples (default 10)")
     g.add_argument("--warmup-fraction", type=float, default=0.1,
                    help="the first part of the run left out of growth figures (default 0.1)")
