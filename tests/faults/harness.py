@@ -4,7 +4,7 @@ Each scenario injects one kind of fault a given number of times (or for a given 
 real component (files, processes, a vLLM engine) and returns ``FaultRow``s: how often the
 fault was injected and what came of it. The pytest files in this folder run every scenario
 at the ``ci`` scale and assert the outcome; ``stress.py`` runs them at the ``full`` scale and
-writes the table in docs/reliability.md.
+writes the table in docs/reliability-record.md.
 
 The promise each row checks: a fault costs at most a recompute (a miss, a shorter prefix),
 never a wrong answer (``wrong``), never a published chunk (``lost``), never a crash

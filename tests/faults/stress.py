@@ -1,11 +1,11 @@
-"""Run the fault matrix on purpose, at full scale, and write the table of docs/reliability.md.
+"""Run the fault matrix on purpose, at full scale, and write the table of docs/reliability-record.md.
 
     python tests/faults/stress.py                       # full scale: about 25 min on 2 cores
     python tests/faults/stress.py --scale ci            # what CI runs (a few minutes)
     python tests/faults/stress.py --only "writer SIGKILL mid-write"
 
 Writes ``OUT/rows.json`` (every row with its extra counters, and the run's machine and
-commit) and ``OUT/table.md`` (the table pasted into docs/reliability.md). Exits 1 when any
+commit) and ``OUT/table.md`` (the table pasted into docs/reliability-record.md). Exits 1 when any
 row breaks the promise (a wrong answer, a lost chunk, a crash, a request not served).
 """
 
