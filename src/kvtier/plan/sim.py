@@ -182,46 +182,82 @@ def simulate(model: ModelSpec, hw: HardwareSpec, config: PlanConfig, workload: W
     ``arrival_stagger_s`` spaces the first requests of a closed-loop phase as a real client's are
     (they never reach the engine in the same instant, so the first step holds only the first one).
     """
-    eng = hw.engine
-    bpt = model.bytes_per_token
-    instances = config.instances
-    lost: dict[str, int] = {}  # prefixes lost to tier capacity (evictions, dropped writes)
-    lost_hbm: dict[str, int] = {}  # prefixes evicted from the engine's KV (a restart forgets these)
-    tiers = [_LRUTier(hw.tier(name), instances, bpt, lost) for name in config.tiers]
-    kv_cap = math.inf if eng.hbm_kv_bytes is None else eng.hbm_kv_bytes // bpt
-    chunk, block = eng.chunk_tokens, eng.block_tokens
-    rng = random.Random(seed)
-    hbm: OrderedDict[str, int] = OrderedDict()
-    hbm_state = [0, 0]  # cached tokens, running tokens
-    busy = {"load": 0.0, "prefill": 0.0, "decode": 0.0, "overhead": 0.0}
-    bytes_read = {t.spec.name: 0 for t in tiers}
-    done: list[_Req] = []
-    capacity_miss = [0]
-    now = 0.0
+    sim = _Simulation(model, hw, config, seed, arrival_stagger_s)
+    for phase in workload:
+        _PhaseRun(sim, phase).run()
+    return sim.result()
 
-    def decode_cost(decoding: list[_Req]) -> float:
+
+class _Simulation:
+    """What lasts across phases: the engine's KV (HBM), the tiers, the clock and the tallies."""
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, config: PlanConfig, seed: int,
+                 arrival_stagger_s: float) -> None:
+        self.eng = hw.engine
+        self.bpt = model.bytes_per_token
+        self.config = config
+        self.instances = config.instances
+        self.arrival_stagger_s = arrival_stagger_s
+        self.lost: dict[str, int] = {}  # prefixes lost to tier capacity (evictions, dropped writes)
+        self.lost_hbm: dict[str, int] = {}  # prefixes evicted from the engine's KV (a restart forgets these)
+        self.tiers = [_LRUTier(hw.tier(name), self.instances, self.bpt, self.lost) for name in config.tiers]
+        self.kv_cap = math.inf if self.eng.hbm_kv_bytes is None else self.eng.hbm_kv_bytes // self.bpt
+        self.chunk, self.block = self.eng.chunk_tokens, self.eng.block_tokens
+        self.rng = random.Random(seed)
+        self.hbm: OrderedDict[str, int] = OrderedDict()  # session -> tokens the engine's prefix cache holds
+        self.hbm_cached = 0  # tokens in ``hbm``
+        self.hbm_running = 0  # tokens of admitted requests (prompt + output)
+        self.busy = {"load": 0.0, "prefill": 0.0, "decode": 0.0, "overhead": 0.0}
+        self.bytes_read = {t.spec.name: 0 for t in self.tiers}
+        self.done: list[_Req] = []
+        self.capacity_miss = 0
+        self.now = 0.0
+
+    def decode_cost(self, decoding: list[_Req]) -> float:
         # Decode attention reads every decoding request's whole context once per step.
+        eng = self.eng
         return (eng.decode_step_s + len(decoding) * eng.decode_per_seq_s
                 + eng.decode_context_s * sum(r.prompt for r in decoding))
 
-    def evict_hbm() -> None:
-        while hbm and hbm_state[0] + hbm_state[1] > kv_cap:
-            victim, tokens = hbm.popitem(last=False)
-            hbm_state[0] -= tokens
-            lost_hbm[victim] = max(lost_hbm.get(victim, 0), tokens)
+    def evict_hbm(self) -> None:
+        while self.hbm and self.hbm_cached + self.hbm_running > self.kv_cap:
+            victim, tokens = self.hbm.popitem(last=False)
+            self.hbm_cached -= tokens
+            self.lost_hbm[victim] = max(self.lost_hbm.get(victim, 0), tokens)
 
-    def admit(r: _Req, step_bytes: dict[int, int]) -> None:
+    def admit(self, r: _Req, step_bytes: dict[int, int]) -> None:
+        """Give ``r`` its engine prefix-cache hit, then the tiers' hit if loading it pays off."""
         r.admitted = True
+        block, chunk = self.block, self.chunk
         cap = (r.prompt - 1) // block * block
-        cached = hbm.pop(r.session, 0) if r.local else 0
-        hbm_state[0] -= cached
+        cached = self.hbm.pop(r.session, 0) if r.local else 0
+        self.hbm_cached -= cached
         hbm_hit = min(cached // block * block, cap)
-        hbm_state[1] += r.prompt + r.output
-        evict_hbm()
-        tier_cap = (r.prompt - 1) // chunk * chunk
+        self.hbm_running += r.prompt + r.output
+        self.evict_hbm()
+        cover, segments = self._tier_cover(r, hbm_hit, (r.prompt - 1) // chunk * chunk)
+        ext = max(0, cover - hbm_hit)
+        r.wanted_tokens = max(hbm_hit, cover)
+        loaded = 0
+        if ext > 0:
+            tiers = self.tiers
+            predicted = sum(n * self.bpt / tiers[i].read_bytes_per_s + tiers[i].spec.latency_s for i, n in segments)
+            if predicted < self.eng.prefill_s(ext, hbm_hit):
+                for i, n in segments:
+                    step_bytes[i] = step_bytes.get(i, 0) + n * self.bpt
+                    r.loaded[tiers[i].spec.name] = n
+                loaded = ext
+        prior = min(max(self.lost.pop(r.session, 0), self.lost_hbm.pop(r.session, 0)), cap)
+        if r.measured and prior > max(cover, hbm_hit):
+            self.capacity_miss += prior - max(cover, hbm_hit)
+        r.hbm_tokens = hbm_hit
+        r.computed = hbm_hit + loaded
+
+    def _tier_cover(self, r: _Req, hbm_hit: int, tier_cap: int) -> tuple[int, list[tuple[int, int]]]:
+        """Tokens the tiers cover, and ``(tier index, tokens beyond HBM)`` read from each."""
         cover = 0
-        segments: list[tuple[int, int]] = []  # (tier index, tokens beyond HBM)
-        for i, tier in enumerate(tiers):
+        segments: list[tuple[int, int]] = []
+        for i, tier in enumerate(self.tiers):
             if not r.local and not tier.spec.shared:
                 continue
             have = min(tier.get(r.session), tier_cap)
@@ -230,182 +266,185 @@ def simulate(model: ModelSpec, hw: HardwareSpec, config: PlanConfig, workload: W
                 if beyond > 0:
                     segments.append((i, beyond))
                 cover = have
-        ext = max(0, cover - hbm_hit)
-        r.wanted_tokens = max(hbm_hit, cover)
-        loaded = 0
-        if ext > 0:
-            predicted = sum(n * bpt / tiers[i].read_bytes_per_s + tiers[i].spec.latency_s for i, n in segments)
-            if predicted < eng.prefill_s(ext, hbm_hit):
-                for i, n in segments:
-                    step_bytes[i] = step_bytes.get(i, 0) + n * bpt
-                    r.loaded[tiers[i].spec.name] = n
-                loaded = ext
-        prior = min(max(lost.pop(r.session, 0), lost_hbm.pop(r.session, 0)), cap)
-        if r.measured and prior > max(cover, hbm_hit):
-            capacity_miss[0] += prior - max(cover, hbm_hit)
-        r.hbm_tokens = hbm_hit
-        r.computed = hbm_hit + loaded
+        return cover, segments
 
-    def store(r: _Req) -> None:
-        tokens = r.prompt // chunk * chunk
+    def store(self, r: _Req) -> None:
+        tokens = r.prompt // self.chunk * self.chunk
         if tokens <= 0:
             return
-        for tier in tiers:
+        for tier in self.tiers:
             if r.local or tier.spec.shared:
-                tier.put(r.session, tokens, now)
+                tier.put(r.session, tokens, self.now)
 
-    def run_phase(phase: Phase) -> None:
-        nonlocal now
+    def restart(self) -> None:
+        """The engine restarts: its KV and every non-persistent tier are gone."""
+        self.hbm.clear()
+        self.lost_hbm.clear()
+        self.hbm_cached = 0
+        for tier in self.tiers:
+            if not tier.spec.persistent:
+                tier.clear()
+            tier.write_free_at = 0.0
+
+    def result(self) -> SimResult:
+        measured = sorted((r for r in self.done if r.measured), key=lambda r: r.client_s)
+        names = [t.spec.name for t in self.tiers]
+        return SimResult(
+            config=self.config.name,
+            start_s=np.array([r.client_s for r in measured]),
+            ttft_s=np.array([r.first_s - r.client_s for r in measured]),
+            e2e_s=np.array([r.end_s - r.client_s for r in measured]),
+            prompt_tokens=np.array([r.prompt for r in measured], dtype=np.int64),
+            output_tokens=np.array([r.output for r in measured], dtype=np.int64),
+            hbm_tokens=np.array([r.hbm_tokens for r in measured], dtype=np.int64),
+            loaded_tokens={n: np.array([r.loaded.get(n, 0) for r in measured], dtype=np.int64) for n in names},
+            load_s=np.array([r.load_s for r in measured]),
+            capacity_miss_tokens=self.capacity_miss,
+            busy_s=self.busy,
+            bytes_read=self.bytes_read,
+            evictions={t.spec.name: t.evictions for t in self.tiers},
+            dropped_writes={t.spec.name: t.dropped_writes for t in self.tiers},
+        )
+
+
+class _PhaseRun:
+    """One phase of the workload: its clients (closed loop or timed arrivals) and the step loop."""
+
+    def __init__(self, sim: _Simulation, phase: Phase) -> None:
+        self.sim, self.phase = sim, phase
         if phase.restart_before:
-            hbm.clear()
-            lost_hbm.clear()
-            hbm_state[0] = 0
-            for tier in tiers:
-                if not tier.spec.persistent:
-                    tier.clear()
-                tier.write_free_at = 0.0
-        counted = any(t.measured for s in phase.sessions for t in s)
-        phase_busy = dict.fromkeys(busy, 0.0)
-        origin = now
-        arrivals: list[tuple[float, int, _Req]] = []
-        seq = 0
-        queue = deque(range(len(phase.sessions)))
-        position = [0] * len(phase.sessions)
+            sim.restart()
+        self.counted = any(t.measured for s in phase.sessions for t in s)
+        self.busy = dict.fromkeys(sim.busy, 0.0)
+        self.origin = sim.now
+        self.arrivals: list[tuple[float, int, _Req]] = []
+        self.seq = 0
+        self.queue = deque(range(len(phase.sessions)))
+        self.position = [0] * len(phase.sessions)
+        self.session_index = {s[0].session: i for i, s in enumerate(phase.sessions) if s}
+        self.waiting: deque[_Req] = deque()
+        self.decoding: list[_Req] = []
 
-        def launch(session_index: int, t: float, worker: int) -> None:
-            nonlocal seq
-            k = position[session_index]
-            turn = phase.sessions[session_index][k]
-            if phase.concurrency is None:
-                t = max(t, origin + (turn.arrival_s or 0.0))
-            local = k == 0 or instances == 1 or rng.random() < 1.0 / instances
-            r = _Req(turn, k, worker if worker >= 0 else session_index, t, local)
-            heapq.heappush(arrivals, (t + eng.request_overhead_s, seq, r))
-            seq += 1
-
+    def launch(self, session_index: int, t: float, worker: int) -> None:
+        """The client of ``session_index`` sends its next turn at ``t``."""
+        sim, phase = self.sim, self.phase
+        k = self.position[session_index]
+        turn = phase.sessions[session_index][k]
         if phase.concurrency is None:
-            while queue:
-                launch(queue.popleft(), origin, -1)
+            t = max(t, self.origin + (turn.arrival_s or 0.0))
+        local = k == 0 or sim.instances == 1 or sim.rng.random() < 1.0 / sim.instances
+        r = _Req(turn, k, worker if worker >= 0 else session_index, t, local)
+        heapq.heappush(self.arrivals, (t + sim.eng.request_overhead_s, self.seq, r))
+        self.seq += 1
+
+    def finish(self, r: _Req, t: float) -> None:
+        """``r`` produced its last token: its KV stays in HBM, its client goes on."""
+        sim = self.sim
+        r.end_s = t
+        sim.done.append(r)
+        sim.hbm_running -= r.prompt + r.output
+        if r.local or sim.instances == 1:
+            sim.hbm[r.session] = (r.prompt + r.output) // sim.block * sim.block
+            sim.hbm_cached += sim.hbm[r.session]
+            sim.evict_hbm()
+        index = self.session_index[r.session]
+        self.position[index] += 1
+        turns = self.phase.sessions[index]
+        if self.position[index] < len(turns):
+            self.launch(index, t + turns[self.position[index]].think_s, r.worker)
+        elif self.phase.concurrency is not None and self.queue:
+            self.launch(self.queue.popleft(), t, r.worker)
+
+    def run(self) -> None:
+        sim, phase = self.sim, self.phase
+        if phase.concurrency is None:
+            while self.queue:
+                self.launch(self.queue.popleft(), self.origin, -1)
         else:
-            for w in range(min(phase.concurrency, len(queue))):
-                launch(queue.popleft(), origin + w * arrival_stagger_s, w)
-
-        _session_index = {(id(phase), s[0].session): i for i, s in enumerate(phase.sessions) if s}
-
-        def finish(r: _Req, t: float) -> None:
-            r.end_s = t
-            done.append(r)
-            hbm_state[1] -= r.prompt + r.output
-            if r.local or instances == 1:
-                hbm[r.session] = (r.prompt + r.output) // block * block
-                hbm_state[0] += hbm[r.session]
-                evict_hbm()
-            index = r.worker
-            session_index = _session_index[(id(phase), r.session)]
-            position[session_index] += 1
-            turns = phase.sessions[session_index]
-            if position[session_index] < len(turns):
-                launch(session_index, t + turns[position[session_index]].think_s, index)
-            elif phase.concurrency is not None and queue:
-                launch(queue.popleft(), t, index)
-
-        waiting: deque[_Req] = deque()
-        decoding: list[_Req] = []
+            for w in range(min(phase.concurrency, len(self.queue))):
+                self.launch(self.queue.popleft(), self.origin + w * sim.arrival_stagger_s, w)
         while True:
-            while arrivals and arrivals[0][0] <= now:
-                waiting.append(heapq.heappop(arrivals)[2])
-            if not waiting and not decoding:
-                if not arrivals:
+            while self.arrivals and self.arrivals[0][0] <= sim.now:
+                self.waiting.append(heapq.heappop(self.arrivals)[2])
+            if not self.waiting and not self.decoding:
+                if not self.arrivals:
                     break
-                now = arrivals[0][0]
-                continue
-            if not waiting:
-                dt = eng.step_overhead_s + decode_cost(decoding)
-                k = min(r.remaining for r in decoding)
-                if arrivals and dt > 0:
-                    k = max(1, min(k, math.ceil((arrivals[0][0] - now) / dt)))
-                now += k * dt
-                phase_busy["overhead"] += k * eng.step_overhead_s
-                phase_busy["decode"] += k * (dt - eng.step_overhead_s)
-                still = []
-                for r in decoding:
-                    r.remaining -= k
-                    if r.remaining <= 0:
-                        finish(r, now)
-                    else:
-                        still.append(r)
-                decoding = still
-                continue
-            budget = eng.max_batched_tokens - len(decoding)
-            step_bytes: dict[int, int] = {}
-            admitted: list[_Req] = []
-            prefill = 0.0
-            completed = 0
-            for r in waiting:
-                if budget <= 0:
-                    break
-                if not r.admitted:
-                    if hbm_state[1] > 0 and hbm_state[1] + r.prompt + r.output > kv_cap:
-                        break
-                    admit(r, step_bytes)
-                    admitted.append(r)
-                n = min(r.prompt - r.computed, budget)
-                prefill += eng.prefill_s(n, r.computed)
-                r.computed += n
-                budget -= n
-                if r.computed >= r.prompt:
-                    completed += 1
-            load = 0.0
-            for i, nbytes in step_bytes.items():
-                load += nbytes / tiers[i].read_bytes_per_s + tiers[i].spec.latency_s
-                bytes_read[tiers[i].spec.name] += nbytes if counted else 0
-            decode = decode_cost(decoding) if decoding else 0.0
-            now += eng.step_overhead_s + load + prefill + decode
-            phase_busy["overhead"] += eng.step_overhead_s
-            phase_busy["load"] += load
-            phase_busy["prefill"] += prefill
-            phase_busy["decode"] += decode
-            for r in admitted:
-                r.load_s = load if r.loaded else 0.0
-            still = []
-            for r in decoding:
-                r.remaining -= 1
-                if r.remaining <= 0:
-                    finish(r, now)
-                else:
-                    still.append(r)
-            decoding = still
-            for _ in range(completed):
-                r = waiting.popleft()
-                r.first_s = now
-                store(r)
-                r.remaining = r.output - 1
-                if r.remaining <= 0:
-                    finish(r, now)
-                else:
-                    decoding.append(r)
-        if counted:
-            for key, value in phase_busy.items():
-                busy[key] += value
+                sim.now = self.arrivals[0][0]
+            elif not self.waiting:
+                self.decode_steps()
+            else:
+                self.step()
+        if self.counted:
+            for key, value in self.busy.items():
+                sim.busy[key] += value
 
-    for phase in workload:
-        run_phase(phase)
-    measured = [r for r in done if r.measured]
-    measured.sort(key=lambda r: r.client_s)
-    names = [t.spec.name for t in tiers]
-    return SimResult(
-        config=config.name,
-        start_s=np.array([r.client_s for r in measured]),
-        ttft_s=np.array([r.first_s - r.client_s for r in measured]),
-        e2e_s=np.array([r.end_s - r.client_s for r in measured]),
-        prompt_tokens=np.array([r.prompt for r in measured], dtype=np.int64),
-        output_tokens=np.array([r.output for r in measured], dtype=np.int64),
-        hbm_tokens=np.array([r.hbm_tokens for r in measured], dtype=np.int64),
-        loaded_tokens={n: np.array([r.loaded.get(n, 0) for r in measured], dtype=np.int64) for n in names},
-        load_s=np.array([r.load_s for r in measured]),
-        capacity_miss_tokens=capacity_miss[0],
-        busy_s=busy,
-        bytes_read=bytes_read,
-        evictions={t.spec.name: t.evictions for t in tiers},
-        dropped_writes={t.spec.name: t.dropped_writes for t in tiers},
-    )
+    def _advance(self, decoding: list[_Req], tokens: int) -> None:
+        """Every decoding request gets ``tokens`` tokens; those that are done finish now."""
+        still = []
+        for r in decoding:
+            r.remaining -= tokens
+            if r.remaining <= 0:
+                self.finish(r, self.sim.now)
+            else:
+                still.append(r)
+        self.decoding = still
+
+    def decode_steps(self) -> None:
+        """A run of decode-only steps, in bulk, up to the next arrival or the first to finish."""
+        sim, eng = self.sim, self.sim.eng
+        dt = eng.step_overhead_s + sim.decode_cost(self.decoding)
+        k = min(r.remaining for r in self.decoding)
+        if self.arrivals and dt > 0:
+            k = max(1, min(k, math.ceil((self.arrivals[0][0] - sim.now) / dt)))
+        sim.now += k * dt
+        self.busy["overhead"] += k * eng.step_overhead_s
+        self.busy["decode"] += k * (dt - eng.step_overhead_s)
+        self._advance(self.decoding, k)
+
+    def step(self) -> None:
+        """One engine step with waiting requests: admit (and load) into the token budget, prefill,
+        decode one token for every decoding request."""
+        sim, eng = self.sim, self.sim.eng
+        decoding = self.decoding
+        budget = eng.max_batched_tokens - len(decoding)
+        step_bytes: dict[int, int] = {}
+        admitted: list[_Req] = []
+        prefill = 0.0
+        completed = 0
+        for r in self.waiting:
+            if budget <= 0:
+                break
+            if not r.admitted:
+                if sim.hbm_running > 0 and sim.hbm_running + r.prompt + r.output > sim.kv_cap:
+                    break
+                sim.admit(r, step_bytes)
+                admitted.append(r)
+            n = min(r.prompt - r.computed, budget)
+            prefill += eng.prefill_s(n, r.computed)
+            r.computed += n
+            budget -= n
+            if r.computed >= r.prompt:
+                completed += 1
+        load = 0.0
+        for i, nbytes in step_bytes.items():
+            tier = sim.tiers[i]
+            load += nbytes / tier.read_bytes_per_s + tier.spec.latency_s
+            sim.bytes_read[tier.spec.name] += nbytes if self.counted else 0
+        decode = sim.decode_cost(decoding) if decoding else 0.0
+        sim.now += eng.step_overhead_s + load + prefill + decode
+        self.busy["overhead"] += eng.step_overhead_s
+        self.busy["load"] += load
+        self.busy["prefill"] += prefill
+        self.busy["decode"] += decode
+        for r in admitted:
+            r.load_s = load if r.loaded else 0.0
+        self._advance(decoding, 1)
+        for _ in range(completed):
+            r = self.waiting.popleft()
+            r.first_s = sim.now
+            sim.store(r)
+            r.remaining = r.output - 1
+            if r.remaining <= 0:
+                self.finish(r, sim.now)
+            else:
+                self.decoding.append(r)
