@@ -23,9 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.cli.output import emit_json
-from kvtier.cli.probe_cmd import probe_table
 from kvtier.layout import KVLayout
-from kvtier.probe import run_probe
+from kvtier.probe import probe_table, run_probe
 from kvtier.store import TieredStore
 
 SESSIONS = 8

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvtier.cli.args import byte_size
 from kvtier.cli.output import emit_json
 from kvtier.layout import KVLayout
-from kvtier.probe import ProbeResult, run_probe
-from kvtier.tiers.redis import is_redis_url
+from kvtier.probe import probe_table, run_probe
 
 
 def add_parser(sub: Any) -> None:
@@ -43,42 +40,14 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, torch.bfloat16)
     err = Console(stderr=True)
-    probe: Callable[..., Any] = run_probe
-    table: Callable[[Any], Table] = probe_table
-    if is_redis_url(args.path):
-        from kvtier.probe_redis import redis_probe_table as table
-        from kvtier.probe_redis import run_redis_probe as probe
     with Progress(TextColumn("[bold]probe[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
         task = progress.add_task("writing", total=1.0)
-        result = probe(args.path, total_bytes=args.total, threads=args.threads, repeats=args.repeats,
-                       layout=layout, chunk_tokens=args.chunk_tokens,
-                       session_chunks=args.session_chunks,
-                       progress=lambda stage, frac: progress.update(task, description=stage, completed=frac))
+        result = run_probe(args.path, total_bytes=args.total, threads=args.threads, repeats=args.repeats,
+                           layout=layout, chunk_tokens=args.chunk_tokens, session_chunks=args.session_chunks,
+                           progress=lambda stage, frac: progress.update(task, description=stage, completed=frac))
     if args.json:
         emit_json(result.to_dict())
     else:
-        Console().print(table(result))
+        Console().print(probe_table(result))
     return 0
-
-
-def probe_table(r: ProbeResult) -> Table:
-    table = Table(title=f"kvtier probe {r.path}: {r.files} files x {r.file_bytes / 1024:.0f} KiB, "
-                        f"{r.threads} threads, median of {r.repeats}")
-    table.add_column("read", style="bold")
-    table.add_column("serial GB/s", justify="right")
-    table.add_column("parallel GB/s", justify="right")
-    table.add_column("parallel / serial", justify="right")
-
-    def row(name: str, serial: float | None, parallel: float | None) -> None:
-        ratio = f"{parallel / serial:.2f}x" if serial and parallel else "-"
-        table.add_row(name, f"{serial:.2f}" if serial else "-", f"{parallel:.2f}" if parallel else "-", ratio)
-
-    row("cold, buffered", r.serial_gbps, r.parallel_gbps)
-    row("cold, O_DIRECT", r.direct_serial_gbps, r.direct_parallel_gbps)
-    row("cold, kvtier get", r.kvtier_cold_serial_gbps, r.kvtier_read_gbps)
-    row("page cache, raw", r.cache_serial_gbps, r.cache_parallel_gbps)
-    row("page cache, kvtier get", r.kvtier_cache_serial_gbps, r.kvtier_cache_gbps)
-    table.caption = (f"kvtier cold read = {r.kvtier_vs_best_raw:.0%} of the best raw cold read "
-                     f"({r.best_raw_gbps:.2f} GB/s); write {r.write_gbps:.2f} GB/s")
-    return table

@@ -24,35 +24,26 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvtier.layout import KVLayout
+from kvtier.probe.result import DEFAULT_LAYOUT, ProbeResult, Row, get_bandwidth
 from kvtier.store import TieredStore
 from kvtier.tiers.base import aligned_buffer
 
 
 @dataclass
-class ProbeResult:
-    path: str
+class FsProbeResult(ProbeResult):
+    """A directory's figures: cold buffered and O_DIRECT reads, page-cache reads, kvtier's both."""
+
     files: int
-    file_bytes: int
-    total_bytes: int
-    threads: int
-    repeats: int
-    write_gbps: float
-    serial_gbps: float
-    parallel_gbps: float
     direct_serial_gbps: float | None
     direct_parallel_gbps: float | None
-    best_raw_gbps: float
-    kvtier_read_gbps: float
-    kvtier_vs_best_raw: float
     cache_serial_gbps: float
     cache_parallel_gbps: float
     cache_parallel_speedup: float
@@ -63,19 +54,20 @@ class ProbeResult:
     direct_io: bool
     samples_gbps: dict[str, list[float]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def title(self) -> str:
+        return (f"kvtier probe {self.path}: {self.files} files x {self.file_bytes / 1024:.0f} KiB, "
+                f"{self.threads} threads, median of {self.repeats}")
 
+    def rows(self) -> list[Row]:
+        return [("cold, buffered", self.serial_gbps, self.parallel_gbps),
+                ("cold, O_DIRECT", self.direct_serial_gbps, self.direct_parallel_gbps),
+                ("cold, kvtier get", self.kvtier_cold_serial_gbps, self.kvtier_read_gbps),
+                ("page cache, raw", self.cache_serial_gbps, self.cache_parallel_gbps),
+                ("page cache, kvtier get", self.kvtier_cache_serial_gbps, self.kvtier_cache_gbps)]
 
-def get_bandwidth(store: TieredStore, sessions: Sequence[np.ndarray], out: torch.Tensor,
-                  total_bytes: int) -> Callable[[], float]:
-    """A timer of kvtier's read path: ``get`` every session into ``out``; returns GB/s."""
-    def run() -> float:
-        t = time.perf_counter()
-        for tokens in sessions:
-            store.get(tokens, out=out)
-        return total_bytes / (time.perf_counter() - t) / 1e9
-    return run
+    def caption(self) -> str:
+        return (f"kvtier cold read = {self.kvtier_vs_best_raw:.0%} of the best raw cold read "
+                f"({self.best_raw_gbps:.2f} GB/s); write {self.write_gbps:.2f} GB/s")
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -123,14 +115,10 @@ def _direct_supported(path: Path) -> bool:
         return False
 
 
-DEFAULT_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-"""An 8B-class model (Llama-3.1-8B's KV shape): 32 MiB per 256-token chunk."""
-
-
 def run_probe(path: str | os.PathLike[str], *, total_bytes: int = 1 << 30, threads: int = 8,
               repeats: int = 3, layout: KVLayout | None = None, chunk_tokens: int = 256,
               session_chunks: int = 8, keep: bool = False,
-              progress: Callable[[str, float], None] | None = None) -> ProbeResult:
+              progress: Callable[[str, float], None] | None = None) -> FsProbeResult:
     """Measure raw and kvtier read bandwidth under ``path``; see the module docstring.
 
     ``progress(stage, fraction_done)`` is called as the probe goes.
@@ -228,7 +216,7 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
     raw_cold = [med[m] for m in ("buffered_serial", "buffered_parallel", "direct_serial", "direct_parallel")
                 if m in med]
     best = max(raw_cold)
-    return ProbeResult(
+    return FsProbeResult(
         path=str(root.parent), files=len(files), file_bytes=file_bytes, total_bytes=total, threads=threads,
         repeats=repeats, write_gbps=total / write_s / 1e9,
         serial_gbps=med["buffered_serial"], parallel_gbps=med["buffered_parallel"],

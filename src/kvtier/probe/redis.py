@@ -23,15 +23,14 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from rich.table import Table
 
 from kvtier.layout import KVLayout
-from kvtier.probe import DEFAULT_LAYOUT, get_bandwidth
+from kvtier.probe.result import DEFAULT_LAYOUT, ProbeResult, Row, get_bandwidth
 from kvtier.store import TieredStore
 from kvtier.tiers.base import aligned_buffer
 from kvtier.tiers.redis import RedisTier
@@ -40,28 +39,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RedisProbeResult:
-    path: str
-    """The server's URL, password redacted."""
+class RedisProbeResult(ProbeResult):
+    """A Redis / Valkey server's figures (``path``: its URL, password redacted)."""
+
     server: str
     keys: int
-    file_bytes: int
-    total_bytes: int
-    threads: int
-    repeats: int
-    write_gbps: float
-    serial_gbps: float
-    parallel_gbps: float
-    best_raw_gbps: float
-    kvtier_read_gbps: float
     kvtier_serial_gbps: float
-    kvtier_vs_best_raw: float
     redis_py_serial_gbps: float
     """Serial ``client.get`` through redis-py's own reply parser (copies each value), for reference."""
     samples_gbps: dict[str, list[float]] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def title(self) -> str:
+        return (f"kvtier probe {self.path} ({self.server}): {self.keys} values x {self.file_bytes / 1024:.0f} KiB, "
+                f"{self.threads} threads, median of {self.repeats}")
+
+    def rows(self) -> list[Row]:
+        return [("GET, raw", self.serial_gbps, self.parallel_gbps),
+                ("kvtier get", self.kvtier_serial_gbps, self.kvtier_read_gbps),
+                ("GET, redis-py parser", self.redis_py_serial_gbps, None)]
 
 
 def run_redis_probe(path: str, *, total_bytes: int = 1 << 30, threads: int = 8, repeats: int = 3,
@@ -205,22 +200,3 @@ def _delete(tier: RedisTier, keys: list[str]) -> None:
             pipe.execute()
     except Exception as exc:  # do not hide the probe's own error
         log.warning("could not delete the probe's keys (prefix %s): %s", tier.prefix, exc)
-
-
-def redis_probe_table(r: RedisProbeResult) -> Table:
-    table = Table(title=f"kvtier probe {r.path} ({r.server}): {r.keys} values x "
-                        f"{r.file_bytes / 1024:.0f} KiB, "
-                        f"{r.threads} threads, median of {r.repeats}")
-    table.add_column("read", style="bold")
-    table.add_column("serial GB/s", justify="right")
-    table.add_column("parallel GB/s", justify="right")
-    table.add_column("parallel / serial", justify="right")
-    for name, serial, parallel in (("GET, raw", r.serial_gbps, r.parallel_gbps),
-                                   ("kvtier get", r.kvtier_serial_gbps, r.kvtier_read_gbps),
-                                   ("GET, redis-py parser", r.redis_py_serial_gbps, None)):
-        table.add_row(name, f"{serial:.2f}", "-" if parallel is None else f"{parallel:.2f}",
-                      f"{parallel / serial:.2f}x" if serial and parallel else "-")
-    table.caption = (f"kvtier read = {r.kvtier_vs_best_raw:.0%} of the best raw read "
-                     f"({r.best_raw_gbps:.2f} GB/s); "
-                     f"write {r.write_gbps:.2f} GB/s")
-    return table
