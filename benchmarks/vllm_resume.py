@@ -32,7 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvtier.integrations.engine_run import EngineError, run_engine
+from kvtier.bench.engines import EngineError
+from kvtier.bench.offline import run_engine
 
 
 def run(spec: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
@@ -70,7 +71,8 @@ def main() -> int:
     rng = random.Random(1)
     sessions = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
     fresh = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
-    base = {"model": str(model), "max_tokens": 1, "tensor_parallel_size": args.tensor_parallel_size}
+    base = {"model": str(model), "max_tokens": 1, "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_gib": 2,
+            "logprobs": None, "log_stats": False}  # timing runs: no log-probabilities, no vLLM metrics
     pool, shared = tmp / "pool", tmp / "example"
     kv_extra = {"pool_url": f"fs://{pool}", "host_bytes": "1GiB", "io_threads": args.io_threads}
     results: dict[str, Any] = {}

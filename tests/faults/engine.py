@@ -36,7 +36,7 @@ from typing import Any
 from faults.harness import FaultRow, Scale, is_root, scenario
 from integration._runs import near_tie
 
-RUNNER = Path(__file__).with_name("_engine_plan.py")
+RUNNER = ["-m", "kvtier.bench.offline"]  # the one engine runner, through a plan of prompts and actions
 CHUNK = 256
 CHUNK_FILE = CHUNK * 2048 + 4096  # tiny-llama: 2048 KV bytes per token, plus the chunk header
 READ_TIMEOUT_S = 1.0
@@ -98,12 +98,12 @@ class Bench:
     def start(self, name: str, connector: dict[str, Any], plan: list[dict[str, Any]],
               loop_s: float | None = None) -> subprocess.Popen[str]:
         spec = {"model": str(self.model), "out": str(self.workdir / f"{name}.json"), "prompts": self.prompts,
-                "connector": connector, "plan": plan, "loop_s": loop_s}
+                "connector": connector, "plan": plan, "loop_s": loop_s, "max_model_len": 8192}
         path = self.workdir / f"{name}.spec.json"
         path.write_text(json.dumps(spec))
         log = open(self.workdir / f"{name}.log", "w")
         # Its own process group: a kill takes vLLM's EngineCore and workers with it.
-        return subprocess.Popen([sys.executable, str(RUNNER), str(path)], stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen([sys.executable, *RUNNER, str(path)], stdout=log, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
 
     def finish(self, name: str, proc: subprocess.Popen[str], t0: float, timeout_s: float = 900) -> Run:

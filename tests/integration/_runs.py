@@ -1,4 +1,5 @@
-"""Run ``_engine.py`` in a fresh process and compare greedy outputs the way the fault harness does."""
+"""Run an engine in a fresh process (``kvtier.bench.offline``, or ``_async_engine.py`` for timed
+submits and aborts) and compare greedy outputs the way the fault harness does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ENGINE = Path(__file__).with_name("_engine.py")
-ASYNC_ENGINE = Path(__file__).with_name("_async_engine.py")
+ENGINE = ["-m", "kvtier.bench.offline"]
+ASYNC_ENGINE = [str(Path(__file__).with_name("_async_engine.py"))]
 TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10 (see tests/faults/engine.py)
 
 
@@ -34,17 +35,17 @@ def run_async_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]]
     return out["results"], metrics
 
 
-def _spawn(script: Path, model: Path, tmp: Path, name: str, prompts: list[list[int]],
+def _spawn(script: list[str], model: Path, tmp: Path, name: str, prompts: list[list[int]],
            connector: dict[str, Any] | None, timeout_s: float,
            options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run an engine script in a fresh process; its output JSON and the connector's metrics files."""
     if connector is not None:
         connector = {**connector, "metrics_file": str(tmp / f"{name}.metrics")}
     spec = {"model": str(model), "out": str(tmp / f"{name}.json"), "prompts": prompts, "connector": connector,
-            **options}
+            "max_model_len": 8192, **options}
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(script), str(spec_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, *script, str(spec_path)], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     if proc.returncode != 0:
         raise EngineFailed(name, proc.stderr)

@@ -75,7 +75,7 @@ ENGINE_SESSION_TOKENS = 6144 + 37
 
 def _engine(spec: dict[str, Any], root: Path, name: str) -> dict[str, Any]:
     """Run an engine; attach its worker's kvtier metrics (written at shutdown)."""
-    from kvtier.integrations.engine_run import run_engine
+    from kvtier.bench.offline import run_engine
 
     result = run_engine(spec, root, name)
     metrics = root / f"{name}.metrics.worker.json"
@@ -91,7 +91,8 @@ def engine_scenario(root: Path) -> dict[str, Any]:
     make_model(model)
     rng = np.random.default_rng(3)
     sessions = [rng.integers(100, 31000, ENGINE_SESSION_TOKENS).tolist() for _ in range(ENGINE_SESSIONS)]
-    base = {"model": str(model), "prompts": sessions, "max_tokens": 1, "connector": "kvtier"}
+    base = {"model": str(model), "prompts": sessions, "max_tokens": 1, "connector": "kvtier", "kv_cache_gib": 2,
+            "logprobs": None, "log_stats": False}
     extra = {"pool_url": f"fs://{root / 'engine-pool'}", "host_bytes": "512MiB"}
     a = _engine({**base, "extra": {**extra, "disk_path": str(root / "disk-a"),
                                    "metrics_file": str(root / "a.metrics")}}, root, "a")
