@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.bench.suite import CONFIGS
 from kvtier.fileio import write_atomic
 from kvtier.jsonl import json_objects
 
@@ -37,10 +38,9 @@ Record = dict[str, Any]
 GroupKey = tuple[str, int, str, int]  # (config, instances, workload, concurrency)
 SectionKey = tuple[str, int]  # (workload, instances)
 
-# Known names first, in the order a reader compares them (baseline, then tiers, then peers);
-# anything else follows alphabetically.
-CONFIG_ORDER = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache", "vllm-offload-cpu",
-                "vllm-offload-fs")
+# Known names first, in the order a reader compares them (the suite's registry: baseline, then
+# tiers, then peers); anything else follows alphabetically.
+CONFIG_ORDER = CONFIGS
 WORKLOAD_ORDER = ("cold-resume", "chat", "short-chat")
 # requests.csv columns, in this fixed order; keys a newer suite adds are appended, sorted.
 REQUEST_COLUMNS = (
