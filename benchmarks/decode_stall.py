@@ -167,12 +167,9 @@ def main() -> int:
         worker(args.worker)
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-decode-stall-"))
-    model = args.model
-    if model is None:
-        from kvtier.model import make_model
+    from kvtier.model import model_or_tiny
 
-        model = tmp / "tiny-llama"
-        make_model(model)
+    model = model_or_tiny(args.model, tmp)
     rng = random.Random(7)
     # 16 tokens past the last full chunk: the resume computes 16 tokens, the rest is loaded.
     resumes = [[rng.randrange(100, 31000) for _ in range(args.resume_tokens + 16)] for _ in range(args.resumes)]

@@ -356,13 +356,9 @@ def main() -> int:
 
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-retention-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model is None:
-        from kvtier.model import make_model
+    from kvtier.model import model_or_tiny
 
-        model = tmp / "tiny-llama"
-        if not model.exists():
-            make_model(model)
+    model = model_or_tiny(args.model, tmp)
     final = final_long_tokens(args)
     max_len = -(-(final + 64) // CPU_BLOCK) * CPU_BLOCK
     if args.gpu_blocks is None:

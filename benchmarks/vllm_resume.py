@@ -62,12 +62,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
-    model = args.model
-    if model is None:
-        from kvtier.model import make_model
+    from kvtier.model import model_or_tiny
 
-        model = tmp / "tiny-llama"
-        make_model(model)
+    model = model_or_tiny(args.model, tmp)
     rng = random.Random(1)
     sessions = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
     fresh = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]

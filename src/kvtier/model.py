@@ -152,3 +152,13 @@ def make_model(out: Path, seed: int = 0) -> None:
     gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     save_file(weights(seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def model_or_tiny(model: Path | None, workdir: Path) -> Path:
+    """``model`` when given; else the tiny model, built into ``workdir/tiny-llama`` (benchmarks'
+    ``--model`` default: no model hub needed)."""
+    if model is not None:
+        return model
+    out = workdir / "tiny-llama"
+    make_model(out)
+    return out
