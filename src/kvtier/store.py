@@ -6,13 +6,14 @@ Contracts:
   and pool; it never waits for I/O (a full queue drops the write and counts it).
 * ``lookup`` returns the longest contiguous prefix of full chunks held in any tier; it does
   file-system metadata calls for the pool, never data reads.
-* ``iter_chunks`` reads a prefix with up to ``io_threads`` reads in flight and yields chunk i
-  while later chunks are still being read. A chunk that turns out missing, corrupt, unreadable
+* ``load_into`` reads a prefix with up to ``io_threads`` reads in flight and hands each chunk to
+  the caller's sink as it arrives. A chunk that turns out missing, corrupt, unreadable
   or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
   are never returned. A tier that timed out (a read, or a lookup of the pool) is skipped for
   ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per cooldown.
   Chunks read from a lower tier are promoted to host DRAM.
-* ``get`` is ``iter_chunks`` assembled into one tensor, or ``KeyError`` if any chunk is gone.
+* ``get`` is ``load_into`` into one tensor, or ``KeyError`` if any chunk is gone;
+  ``iter_chunks`` yields copies of the chunks ``load_into`` delivered, in order.
 * ``retain`` keeps chunks of a session in the disk tier and the pool until a time: they are
   evicted after every unretained chunk (host DRAM and Redis ignore it). Chunks written later
   under a retained key are retained as they land.
@@ -121,12 +122,6 @@ class LoadedChunk:
 class _Loaded:
     tier: str
     lease: Lease
-
-
-def _release_when_done(fut: cf.Future[_Loaded | None]) -> None:
-    """Release the pin of a read that finished after its iterator was closed."""
-    if not fut.cancelled() and fut.exception() is None and (got := fut.result()) is not None:
-        got.lease.release()
 
 
 class _SinkGate:
@@ -455,45 +450,20 @@ class TieredStore:
         return got.tier
 
     def iter_chunks(self, ids: Sequence[ChunkId], *, tenant_salt: str | None = None) -> Iterator[LoadedChunk]:
-        """Yield the cached prefix of ``ids`` in order, reading ahead in parallel.
+        """The cached prefix of ``ids`` as ``LoadedChunk``s, in order (a copy of each chunk).
 
-        Stops at the first chunk that cannot be served. A yielded chunk's ``data`` stays valid
-        until the iterator advances or is closed: consume or copy it before asking for the
-        next one. Closing the iterator early cancels reads not yet started.
+        Built on ``load_into`` (the one read pipeline: parallel reads, timeouts, tier fallback),
+        which it runs to the end before the first chunk is yielded; a caller that copies chunks
+        somewhere should call ``load_into`` with its own sink instead and skip the copy.
         """
-        self._check_open()
-        spec = self._spec(self._namespace(tenant_salt))
-        located = self._locate(ids)
-        window = 2 * self.config.io_threads
-        pending: dict[int, cf.Future[_Loaded | None]] = {}
-        held: Lease | None = None
-        submitted = 0
-        try:
-            for i, tier in enumerate(located):
-                while submitted < len(located) and submitted < i + window:
-                    if located[submitted] is not self.host:
-                        pending[submitted] = self._io.submit(self._load, ids[submitted], located[submitted], spec)
-                    submitted += 1
-                if i in pending:
-                    try:
-                        got = pending.pop(i).result(timeout=self.config.read_timeout_s)
-                    except cf.TimeoutError:
-                        self._guard.trip(tier, f"read of chunk {i}")
-                        return
-                else:
-                    got = self._load(ids[i], tier, spec)
-                if got is None:
-                    return
-                if held is not None:
-                    held.release()
-                held = got.lease
-                yield LoadedChunk(i, got.tier, got.lease.chunk.data)
-        finally:
-            if held is not None:
-                held.release()
-            for fut in pending.values():
-                if not fut.cancel():
-                    fut.add_done_callback(_release_when_done)
+        copies: dict[int, torch.Tensor] = {}
+
+        def keep(index: int, data: torch.Tensor) -> None:
+            copies[index] = data.clone()  # ``data`` is only valid during the call
+
+        loaded = self.load_into(ids, keep, tenant_salt=tenant_salt)
+        for i, tier in enumerate(loaded.chunk_tiers):
+            yield LoadedChunk(i, tier, copies[i])
 
     def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec, promote: bool = True) -> _Loaded | None:
         """Load from ``first``, falling back to the tiers below it.
