@@ -19,14 +19,14 @@ from kvtier import KVLayout, PutResult, TieredStore, TierUnavailableError
 from kvtier.format import HEADER_BYTES, PAYLOAD_OFFSET, ChunkSpec, unpack_header
 from kvtier.keys import FORMAT_VERSION, ChunkId
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult
+from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, TierBase
 from kvtier.tiers.host import HostTier
 
 C = 16       # chunk tokens
 SLOT = 8192  # one tiny chunk file / host slot
 
 
-class GateTier:
+class GateTier(TierBase):
     """An in-memory lower tier whose ``store`` waits until ``gate`` is set."""
 
     name = "slow"

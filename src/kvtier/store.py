@@ -49,7 +49,6 @@ from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
 from kvtier.tiers.base import Chunk, Status, Tier, aligned_buffer
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import HostTier, Lease
 from kvtier.tiers.locate import locate
@@ -291,6 +290,8 @@ class TieredStore:
         return cls(load_settings(source, **overrides))
 
     def _spec(self, namespace: Namespace) -> ChunkSpec:
+        """The ``ChunkSpec`` of chunks in ``namespace``. The first time a namespace is seen, every
+        tier records what it is (the disk and pool directories: a small JSON file each)."""
         digest = namespace.digest
         with self._spec_lock:
             spec = self._specs.get(digest)
@@ -300,9 +301,7 @@ class TieredStore:
                                  self.chunk_tokens * self.layout.bytes_per_token)
                 self._specs[digest] = spec
                 for tier in self.tiers:
-                    files = getattr(tier, "files", None)
-                    if isinstance(files, ChunkFiles):
-                        files.describe_namespace(digest, namespace.describe())
+                    tier.describe_namespace(digest, namespace.describe())
             return spec
 
     def _namespace(self, tenant_salt: str | None) -> Namespace:

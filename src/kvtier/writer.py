@@ -29,9 +29,7 @@ class _Write:
 
 def retain_in(tier: Tier, key: bytes, until: float) -> None:
     """Retention in a tier that supports it (disk, pool); a no-op elsewhere (host DRAM, Redis)."""
-    retain = getattr(tier, "retain", None)
-    if retain is not None:
-        retain(key, until)
+    tier.retain(key, until)
 
 
 class BackgroundWriter:

@@ -103,6 +103,42 @@ class Tier(Protocol):
     def close(self) -> None:
         ...
 
+    # Optional features: a tier without one inherits TierBase's default.
+
+    may_hang: bool
+    """Lookups may block (a network filesystem): the store bounds them with ``read_timeout_s``."""
+    journal: ChangeJournal | None
+    """Its additions and removals, for KV events (None: it reports none)."""
+
+    def retain(self, key: bytes, until: float) -> bool:
+        """Keep the chunk ahead of unretained ones until ``until`` (epoch s); False: not held, or
+        this tier does not retain."""
+        ...
+
+    def read_evictions(self) -> list[bytes]:
+        """Keys evicted by anyone sharing this tier since the last call (a shared pool)."""
+        ...
+
+    def describe_namespace(self, digest: bytes, info: dict[str, object]) -> None:
+        """Record what a namespace is (model, layout, ...) where operators look (a directory)."""
+        ...
+
+
+class TierBase:
+    """The defaults of the protocol's optional features, for tiers to inherit."""
+
+    may_hang = False
+    journal: ChangeJournal | None = None
+
+    def retain(self, key: bytes, until: float) -> bool:
+        return False
+
+    def read_evictions(self) -> list[bytes]:
+        return []
+
+    def describe_namespace(self, digest: bytes, info: dict[str, object]) -> None:
+        return
+
 
 class ChangeJournal:
     """``(added, key)`` changes of a tier, kept only once ``enable`` was called: an engine

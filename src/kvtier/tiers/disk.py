@@ -26,13 +26,13 @@ from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, leading_held
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase, leading_held
 from kvtier.tiers.files import ChunkFiles
 
 TOUCH_INTERVAL_S = 60.0
 
 
-class DiskTier:
+class DiskTier(TierBase):
     name = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False,
@@ -118,6 +118,9 @@ class DiskTier:
                 return False
             self._retained[key] = max(until, self._retained.get(key, 0.0))
         return self.files.retain(key, until)  # a restarted process finds it retained too
+
+    def describe_namespace(self, digest: bytes, info: dict[str, object]) -> None:
+        self.files.describe_namespace(digest, info)
 
     def _pop_victim(self) -> tuple[ChunkKey, int]:
         """The least recently used chunk that is not retained (else the oldest retained). Locked."""

@@ -55,7 +55,7 @@ class TierGuard:
         """``tier.lookup(ids)``, bounded by the timeout for tiers that may hang; 0 if tripped."""
         if not self.usable(tier):
             return 0
-        if not getattr(tier, "may_hang", False):
+        if not tier.may_hang:
             return tier.lookup(ids)
         if self._pool is None:
             with self._lock:

@@ -22,7 +22,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, aligned_buffer
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase, aligned_buffer
 
 
 class Lease:
@@ -49,7 +49,7 @@ class _Slot:
     pins: int = 0
 
 
-class HostTier:
+class HostTier(TierBase):
     name = "host"
 
     def __init__(self, capacity_bytes: int, layout: KVLayout, chunk_tokens: int) -> None:

@@ -42,7 +42,7 @@ from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase
 from kvtier.tiers.files import ChunkFiles
 
 TOUCH_INTERVAL_S = 60.0
@@ -67,7 +67,7 @@ def parse_pool_url(url: str) -> str:
     return path
 
 
-class PoolTier:
+class PoolTier(TierBase):
     name = "pool"
     may_hang = True  # a network filesystem: lookups are timed (tiers/guard.py)
 
@@ -135,6 +135,9 @@ class PoolTier:
         """Keep the chunk ahead of unretained ones until ``until`` (epoch seconds): its mtime.
         False when it is not there, or its mtime could not be set (another user's file)."""
         return self.files.retain(key, until)
+
+    def describe_namespace(self, digest: bytes, info: dict[str, object]) -> None:
+        self.files.describe_namespace(digest, info)
 
     def read_evictions(self) -> list[bytes]:
         """Keys evicted from the pool (by anyone) since the last call; the first call starts

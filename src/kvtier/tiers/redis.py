@@ -48,7 +48,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
 from kvtier.keys import ChunkId
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, aligned_buffer
+from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, TierBase, aligned_buffer
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class _Fallback(Exception):
     """The zero-copy GET gives up on this reply; args: (value length,) when that was the reason."""
 
 
-class RedisTier:
+class RedisTier(TierBase):
     """Chunks as values of a Redis / Valkey server or cluster. See module docstring."""
 
     name = "redis"

@@ -59,7 +59,7 @@ from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.metrics import TierMetrics
 from kvtier.store import open_pool_tier
-from kvtier.tiers.base import Tier, leading_held
+from kvtier.tiers.base import Tier, TierBase, leading_held
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.locate import locate
@@ -79,7 +79,7 @@ LOOKUP_INLINE_WAIT_S = 0.002
 call before answering "not yet" (a busy engine never waits)."""
 
 
-class HostView:
+class HostView(TierBase):
     """The scheduler's mirror of the keys one worker rank's host tier holds (lookup only).
 
     It lags the worker by at most one step; a chunk evicted in between is read from disk or
@@ -108,7 +108,7 @@ class HostView:
         self.keys.clear()
 
 
-class FileLookup:
+class FileLookup(TierBase):
     """Lookup-only view of a chunk directory (a rank's disk tier): no lock, no index."""
 
     def __init__(self, name: str, path: str) -> None:

@@ -132,11 +132,9 @@ class WorkerRole:
             store.host.track_changes()
         if self.events:
             for tier in store.tiers:
-                journal = getattr(tier, "journal", None)
-                if journal is not None:
-                    journal.enable()
-                if hasattr(tier, "read_evictions"):
-                    tier.read_evictions()  # start at the log's end
+                if tier.journal is not None:
+                    tier.journal.enable()
+                tier.read_evictions()  # start at the pool's eviction log's end
         self._tier_order = {t.name: i for i, t in enumerate(store.tiers)}
         self.store = store
         if self.paged is not None:
@@ -264,12 +262,12 @@ class WorkerRole:
             return []
         out: list[tuple[str, bool, bytes]] = []
         read_log = time.monotonic() - self._evictions_read >= EVICTIONS_READ_S
+        if read_log:
+            self._evictions_read = time.monotonic()
         for tier in self.store.tiers:
-            journal = getattr(tier, "journal", None)
-            if journal is not None:
-                out.extend((tier.name, added, key) for added, key in journal.drain())
-            if read_log and hasattr(tier, "read_evictions"):
-                self._evictions_read = time.monotonic()
+            if tier.journal is not None and tier is not self.store.host:  # host changes: host_changes
+                out.extend((tier.name, added, key) for added, key in tier.journal.drain())
+            if read_log:
                 out.extend((tier.name, False, key) for key in tier.read_evictions())
         return out
 
