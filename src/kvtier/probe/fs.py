@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,34 +192,23 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
             cold["direct_parallel"] = raw(True, True)
         warm = {"cache_serial": raw(False, False), "cache_parallel": raw(False, True),
                 "kvtier_cache": kvtier(store), "kvtier_cache_serial": kvtier(serial_store)}
-        samples: dict[str, list[float]] = {m: [] for m in (*cold, *warm)}
-        steps = repeats * (len(cold) + len(warm))
-        done = 0
-        for r in range(repeats):
-            # Rotate the order each repeat so no mode always runs right after another.
-            order = list(cold.items())
-            order = order[r % len(order):] + order[:r % len(order)]
-            for name, fn in order:
-                drop_cache(files)
-                samples[name].append(fn())
-                done += 1
-                report(f"cold {name}", 0.5 + done / steps / 2)
-            raw(False, True)()  # warm the page cache
-            for name, fn in warm.items():
-                samples[name].append(fn())
-                done += 1
-                report(f"page cache {name}", 0.5 + done / steps / 2)
+        samples = _measure(cold, warm, repeats, files, raw(False, True), report)
     finally:
         store.close()
         serial_store.close()
 
+    return _result(str(root.parent), samples, files=len(files), file_bytes=file_bytes, total_bytes=total,
+                   threads=threads, repeats=repeats, write_gbps=total / write_s / 1e9, direct_io=direct)
+
+
+def _result(path: str, samples: dict[str, list[float]], **figures: Any) -> FsProbeResult:
+    """The medians of ``samples`` as an ``FsProbeResult`` (``figures``: the run's own)."""
     med = {name: statistics.median(v) for name, v in samples.items()}
     raw_cold = [med[m] for m in ("buffered_serial", "buffered_parallel", "direct_serial", "direct_parallel")
                 if m in med]
     best = max(raw_cold)
     return FsProbeResult(
-        path=str(root.parent), files=len(files), file_bytes=file_bytes, total_bytes=total, threads=threads,
-        repeats=repeats, write_gbps=total / write_s / 1e9,
+        path=path, **figures,
         serial_gbps=med["buffered_serial"], parallel_gbps=med["buffered_parallel"],
         direct_serial_gbps=med.get("direct_serial"), direct_parallel_gbps=med.get("direct_parallel"),
         best_raw_gbps=best, kvtier_read_gbps=med["kvtier_cold"], kvtier_vs_best_raw=med["kvtier_cold"] / best,
@@ -226,6 +216,31 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
         cache_parallel_speedup=med["cache_parallel"] / med["cache_serial"],
         kvtier_cache_gbps=med["kvtier_cache"], kvtier_cold_serial_gbps=med["kvtier_cold_serial"],
         kvtier_cache_serial_gbps=med["kvtier_cache_serial"],
-        kvtier_cache_parallel_speedup=med["kvtier_cache"] / med["kvtier_cache_serial"], direct_io=direct,
+        kvtier_cache_parallel_speedup=med["kvtier_cache"] / med["kvtier_cache_serial"],
         samples_gbps={k: [round(x, 4) for x in v] for k, v in samples.items()},
     )
+
+
+def _measure(cold: dict[str, Callable[[], float]], warm: dict[str, Callable[[], float]], repeats: int,
+             files: list[Path], warm_up: Callable[[], float],
+             report: Callable[[str, float], None]) -> dict[str, list[float]]:
+    """Every mode ``repeats`` times: the cold ones in a rotated order with the page cache dropped
+    before each, then the page-cache ones after ``warm_up``. GB/s samples per mode."""
+    samples: dict[str, list[float]] = {m: [] for m in (*cold, *warm)}
+    steps = repeats * (len(cold) + len(warm))
+    done = 0
+    for r in range(repeats):
+        # Rotate the order each repeat so no mode always runs right after another.
+        order = list(cold.items())
+        order = order[r % len(order):] + order[:r % len(order)]
+        for name, fn in order:
+            drop_cache(files)
+            samples[name].append(fn())
+            done += 1
+            report(f"cold {name}", 0.5 + done / steps / 2)
+        warm_up()  # warm the page cache
+        for name, fn in warm.items():
+            samples[name].append(fn())
+            done += 1
+            report(f"page cache {name}", 0.5 + done / steps / 2)
+    return samples

@@ -94,54 +94,14 @@ def run_redis_probe(path: str, *, total_bytes: int = 1 << 30, threads: int = 8, 
         client = tier.client
         server = _server_name(client)
         shape = layout.shape(session_chunks * chunk_tokens)
-        kv = torch.randint(0, 256, (math.prod(shape) * layout.element_bytes,), dtype=torch.uint8)
-        kv = kv.view(layout.dtype).view(shape)
-        t0 = time.perf_counter()
-        for i, tokens in enumerate(sessions):
-            keys += [tier.key(cid) for cid in store.chunk_ids(tokens)]
-            kv.view(torch.uint8).view(-1)[:8] = i  # distinct payloads, cheap
-            store.put(tokens, kv)
-            store.flush()  # bounds memory: the queue would otherwise hold every chunk
-            report("write", (i + 1) / n_sessions / 3)
-        write_s = time.perf_counter() - t0
-        failed = tier.metrics.snapshot().failed_writes
-        held = sum(store.lookup(tokens).num_chunks for tokens in sessions)
-        if failed or held < len(keys):
-            raise OSError(f"redis {tier.url.redacted()} kept {held} of {len(keys)} chunks ({failed} writes "
-                          "failed: server down, maxmemory or OOM?); probe with a smaller --total")
+        write_s = _fill(store, tier, sessions, layout, shape, report, keys)
         file_bytes = tier.metrics.snapshot().bytes_written // len(keys)
         total = file_bytes * len(keys)
-
-        buffers: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        for _ in range(threads):
-            buf = aligned_buffer(file_bytes)
-            buf.fill(0)  # fault its pages in now, as for kvtier's own (reused) buffers
-            buffers.put(buf)
-
-        def get(key: str) -> int:
-            """The transport alone: a GET received into a reused buffer, not validated."""
-            buf = buffers.get()
-            try:
-                return max(0, tier.get_into(key, buf))
-            finally:
-                buffers.put(buf)
+        raw = _raw_reader(tier, keys, threads, file_bytes, total)
 
         def redis_py_get(key: str) -> int:
             value = client.get(key)
             return 0 if value is None else len(value)
-
-        def raw(parallel: bool, fn: Callable[[str], int] = get) -> Callable[[], float]:
-            def run() -> float:
-                t = time.perf_counter()
-                if parallel:
-                    with cf.ThreadPoolExecutor(threads) as pool:
-                        moved = sum(pool.map(fn, keys))
-                else:
-                    moved = sum(fn(k) for k in keys)
-                if moved != total:
-                    raise OSError(f"redis {tier.url.redacted()} lost chunks during the probe")
-                return moved / (time.perf_counter() - t) / 1e9
-            return run
 
         out = torch.empty(shape, dtype=layout.dtype)
         out.zero_()  # fault its pages in now: an engine reads into memory it already has
@@ -174,6 +134,60 @@ def run_redis_probe(path: str, *, total_bytes: int = 1 << 30, threads: int = 8, 
         kvtier_serial_gbps=med["kvtier_serial"], kvtier_vs_best_raw=med["kvtier"] / best,
         redis_py_serial_gbps=med["redis_py_serial"],
         samples_gbps={k: [round(x, 4) for x in v] for k, v in samples.items()})
+
+
+def _fill(store: TieredStore, tier: RedisTier, sessions: list[np.ndarray], layout: KVLayout,
+          shape: tuple[int, ...], report: Callable[[str, float], None], keys: list[str]) -> float:
+    """Write every session through kvtier, appending the keys to ``keys`` as it goes (the caller
+    deletes them, even after a failure); seconds taken. OSError if some chunks were lost."""
+    kv = torch.randint(0, 256, (math.prod(shape) * layout.element_bytes,), dtype=torch.uint8)
+    kv = kv.view(layout.dtype).view(shape)
+    t0 = time.perf_counter()
+    for i, tokens in enumerate(sessions):
+        keys += [tier.key(cid) for cid in store.chunk_ids(tokens)]
+        kv.view(torch.uint8).view(-1)[:8] = i  # distinct payloads, cheap
+        store.put(tokens, kv)
+        store.flush()  # bounds memory: the queue would otherwise hold every chunk
+        report("write", (i + 1) / len(sessions) / 3)
+    write_s = time.perf_counter() - t0
+    failed = tier.metrics.snapshot().failed_writes
+    held = sum(store.lookup(tokens).num_chunks for tokens in sessions)
+    if failed or held < len(keys):
+        raise OSError(f"redis {tier.url.redacted()} kept {held} of {len(keys)} chunks ({failed} writes "
+                      "failed: server down, maxmemory or OOM?); probe with a smaller --total")
+    return write_s
+
+
+def _raw_reader(tier: RedisTier, keys: list[str], threads: int, file_bytes: int,
+                total: int) -> Callable[..., Callable[[], float]]:
+    """``raw(parallel, fn=GET into a reused buffer)``: a timer of reading every key; GB/s."""
+    buffers: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+    for _ in range(threads):
+        buf = aligned_buffer(file_bytes)
+        buf.fill(0)  # fault its pages in now, as for kvtier's own (reused) buffers
+        buffers.put(buf)
+
+    def get(key: str) -> int:
+        """The transport alone: a GET received into a reused buffer, not validated."""
+        buf = buffers.get()
+        try:
+            return max(0, tier.get_into(key, buf))
+        finally:
+            buffers.put(buf)
+
+    def raw(parallel: bool, fn: Callable[[str], int] = get) -> Callable[[], float]:
+        def run() -> float:
+            t = time.perf_counter()
+            if parallel:
+                with cf.ThreadPoolExecutor(threads) as pool:
+                    moved = sum(pool.map(fn, keys))
+            else:
+                moved = sum(fn(k) for k in keys)
+            if moved != total:
+                raise OSError(f"redis {tier.url.redacted()} lost chunks during the probe")
+            return moved / (time.perf_counter() - t) / 1e9
+        return run
+    return raw
 
 
 def _server_name(client: Any) -> str:
