@@ -35,7 +35,8 @@ from kvtier.integrations.vllm.config import (
     deployment,
     store_config,
 )
-from kvtier.integrations.vllm.scheduler import SchedulerRole, request_extra
+from kvtier.integrations.vllm.scheduler import SchedulerRole
+from kvtier.integrations.vllm.views import request_extra
 from kvtier.keys import shard_id
 
 BS, CHUNK, HEADS, HEAD = 16, 32, 2, 8

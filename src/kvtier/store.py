@@ -23,6 +23,10 @@ Contracts:
 
 All methods are thread-safe. ``close`` flushes pending writes; use the store as a context
 manager or call ``close`` before exit.
+
+Over 400 lines on purpose: one class, the public API, whose reads, writes and retention share
+the tiers, the guard, the buffers and the writer; the tiers, the writer and ``locate`` are
+modules of their own.
 """
 
 from __future__ import annotations

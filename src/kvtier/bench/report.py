@@ -11,6 +11,9 @@ rows marked ``measured`` (warm-up and populate rows are excluded). A configurati
 is never dropped: it keeps one entry per concurrency it was meant to run, with its error.
 Ratios (against recompute, against local disk, between runs) are taken between figures of the
 same run, or of runs on the same machine, never from a lone absolute time.
+
+Over 400 lines on purpose: loading a run, grouping, tables, markdown and plots of one result
+folder format; they change together when the format does.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ and chat workloads follow on the running engine, with prompts no earlier phase h
 
 Results go to one folder: ``requests.jsonl`` (appended as requests finish), ``configs.json``,
 ``env.json``, engine logs under ``logs/``, and the report (kvtier.bench.report).
+
+Over 400 lines on purpose: the configurations, their engines' set-up and the phases of a run
+are one procedure.
 """
 
 from __future__ import annotations

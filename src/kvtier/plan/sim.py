@@ -22,6 +22,9 @@ lands on the same instance (where HBM, host and disk still hold its KV) with pro
 What it ignores: network and tokenizer time other than ``request_overhead_s``, preemption,
 speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier order, GPU/CPU
 copy time separate from the tier read, and any overlap of loads with compute.
+
+Over 400 lines on purpose: the engine model, its steps and the phases are one simulation; its
+state is ``_Simulation`` (across phases) and ``_PhaseRun`` (one phase).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Publishing writes a uniquely named temp file in the final directory, then ``os.r
 readers see a whole chunk or nothing, and two writers of one chunk write the same bytes
 (names are content addresses), so the last rename wins harmlessly. A temp file left by a
 killed writer is never read (wrong suffix) and is removed by ``kvtier pool gc``.
+
+Over 400 lines on purpose: every byte a chunk directory writes or reads goes through here
+(publish, validated reads, scan, retention's mtime), so its safety rules live in one place.
 """
 
 from __future__ import annotations

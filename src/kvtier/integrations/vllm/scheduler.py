@@ -32,6 +32,10 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
   back by the workers: the prefill rate of steps that computed many tokens and loaded nothing,
   and each tier's read bandwidth from the workers' own loads. Until measured, ``read_gbps``
   (host DRAM: 10x) stands in.
+
+Over 400 lines on purpose: one state machine over vLLM's request lifecycle (lookup, load,
+save, finish, preemption) whose steps share the per-request state ``_Request``; the lookup
+views are in ``views.py``, KV events in ``events.py``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
-
-from blake3 import blake3
 
 from kvtier.config import StoreConfig
 from kvtier.errors import TierUnavailableError
@@ -56,11 +58,10 @@ from kvtier.integrations.vllm.common import (
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
 from kvtier.integrations.vllm.events import ChunkEvents
+from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
-from kvtier.metrics import TierMetrics
 from kvtier.store import open_pool_tier
-from kvtier.tiers.base import Tier, TierBase, leading_held
-from kvtier.tiers.files import ChunkFiles
+from kvtier.tiers.base import Tier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.locate import locate
 
@@ -77,70 +78,6 @@ LOOKUP_THREADS = 2
 LOOKUP_INLINE_WAIT_S = 0.002
 """While the engine is idle, the longest the scheduler waits for a request's lookup in one
 call before answering "not yet" (a busy engine never waits)."""
-
-
-class HostView(TierBase):
-    """The scheduler's mirror of the keys one worker rank's host tier holds (lookup only).
-
-    It lags the worker by at most one step; a chunk evicted in between is read from disk or
-    the pool if it is there, and otherwise reported as a failed load that vLLM recomputes: a
-    stale view costs a recompute, never a wrong answer.
-    """
-
-    name = "host"
-
-    def __init__(self) -> None:
-        self.metrics = TierMetrics(self.name)
-        self.keys: set[bytes] = set()
-
-    def apply(self, changes: Sequence[tuple[bool, bytes]]) -> None:
-        for added, key in changes:
-            if added:
-                self.keys.add(key)
-            else:
-                self.keys.discard(key)
-        self.metrics.set(chunks=len(self.keys))
-
-    def lookup(self, ids: Sequence[ChunkId]) -> int:
-        return leading_held(ids, self.keys)
-
-    def close(self) -> None:
-        self.keys.clear()
-
-
-class FileLookup(TierBase):
-    """Lookup-only view of a chunk directory (a rank's disk tier): no lock, no index."""
-
-    def __init__(self, name: str, path: str) -> None:
-        self.name = name
-        self.metrics = TierMetrics(name)
-        self.files = ChunkFiles(path, create=False)
-
-    def lookup(self, ids: Sequence[ChunkId]) -> int:
-        return self.files.leading_present(ids)
-
-    def close(self) -> None:
-        return  # holds no handles
-
-
-def request_extra(request: Request) -> bytes | None:
-    """Bytes that change a request's KV beyond its token ids; None: do not serve it from kvtier.
-
-    A LoRA adapter (name and path) and multimodal inputs (each item's content hash and
-    placeholder position) change the KV of the same prompt ids. Requests given as prompt
-    embeddings have no token ids to key them by.
-    """
-    if getattr(request, "prompt_embeds", None) is not None or request.prompt_token_ids is None:
-        return None
-    parts: list[bytes] = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora\0{lora.lora_name}\0{getattr(lora, 'lora_path', '')}".encode())
-    for feature in getattr(request, "mm_features", None) or ():
-        pos = feature.mm_position
-        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or ""
-        parts.append(f"mm\0{ident}\0{pos.offset}\0{pos.length}".encode())
-    return blake3(b"\0\0".join(parts)).digest() if parts else b""
 
 
 @dataclass
