@@ -15,8 +15,8 @@ import pytest
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from faults.engine import Bench, hanging_pool, shared_pool_with_gc, storage_faults, tenant_isolation
 from faults.harness import SCALES, is_root
+from faults.harness.engine import Bench, hanging_pool, shared_pool_with_gc, storage_faults, tenant_isolation
 
 pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
 

@@ -46,7 +46,7 @@ from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.pool import PoolTier
 
 from .harness import SCALES
-from .hostile import KINDS, hostile_files
+from .harness.hostile import KINDS, hostile_files
 
 _fuzz = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -12,9 +12,9 @@ from kvtier import admin
 from kvtier.tiers.files import TMP_SUFFIX
 from kvtier.tiers.pool import PoolTier
 
-from .concurrency import processes_share_pool
-from .crash import writer_sigkill
 from .harness import SCALES
+from .harness.concurrency import processes_share_pool
+from .harness.crash import writer_sigkill
 
 
 def test_writer_sigkill_mid_write_loses_nothing_and_leaves_only_temp_files(tmp_path):

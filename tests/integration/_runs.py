@@ -12,7 +12,7 @@ from typing import Any
 
 ENGINE = ["-m", "kvtier.bench.offline"]
 ASYNC_ENGINE = [str(Path(__file__).with_name("_async_engine.py"))]
-TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10 (see tests/faults/engine.py)
+TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10 (see tests/faults/harness/engine.py)
 
 
 class EngineFailed(AssertionError):

@@ -38,7 +38,7 @@ from kvtier.keys import FORMAT_VERSION, ChunkId, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES
 from kvtier.tiers.files import ChunkFiles
 
-from .harness import FaultRow, Scale, scenario
+from . import FaultRow, Scale, scenario
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 CHUNK_TOKENS = 16

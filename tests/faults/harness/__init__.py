@@ -2,9 +2,10 @@
 
 Each scenario injects one kind of fault a given number of times (or for a given time) into a
 real component (files, processes, a vLLM engine) and returns ``FaultRow``s: how often the
-fault was injected and what came of it. The pytest files in this folder run every scenario
-at the ``ci`` scale and assert the outcome; ``stress.py`` runs them at the ``full`` scale and
-writes the table in docs/reliability-record.md.
+fault was injected and what came of it. The scenarios are this package's modules (``hostile``,
+``crash``, ``concurrency``, ``engine``); the pytest files beside the package (``tests/faults/
+test_*.py``) run every scenario at the ``ci`` scale and assert the outcome; ``stress.py`` runs
+them at the ``full`` scale and writes the table in docs/reliability-record.md.
 
 The promise each row checks: a fault costs at most a recompute (a miss, a shorter prefix),
 never a wrong answer (``wrong``), never a published chunk (``lost``), never a crash

@@ -40,7 +40,7 @@ from kvtier.tiers.base import Chunk, Status
 from kvtier.tiers.files import TMP_SUFFIX
 from kvtier.tiers.pool import PoolTier
 
-from .harness import FaultRow, Scale, scenario
+from . import FaultRow, Scale, scenario
 
 # 16 KiB of KV per token, 32 tokens: a 512 KiB payload, so a publish takes long enough
 # (a few tenths of a millisecond into the page cache, milliseconds with fsync) that many kills

@@ -41,8 +41,8 @@ from kvtier.keys import ChunkKey, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.tiers.pool import PoolTier
 
+from . import FaultRow, Scale, scenario
 from .crash import fork_child
-from .harness import FaultRow, Scale, scenario
 
 # 2 KiB of KV per token, 32 tokens: 64 KiB chunks (68 KiB files), cheap to make and check.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
