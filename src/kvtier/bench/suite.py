@@ -55,8 +55,11 @@ from kvtier.bench.client import LoadClient, Record, Session, Target
 from kvtier.bench.engines import EngineError, Process, free_port, root_cause
 from kvtier.bench.workload import TextMaker, WorkloadSpec, make_sessions
 
-CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache", "vllm-offload-cpu",
-           "vllm-offload-fs")
+ENGINES = {  # configuration -> the ConfigRunner method that builds its engine's argv
+    "recompute": "_vllm", "local-disk": "_kvtier", "shared-pool": "_kvtier", "example-connector": "_example",
+    "lmcache": "_lmcache_engine", "vllm-offload-cpu": "_offload", "vllm-offload-fs": "_offload",
+}
+CONFIGS = tuple(ENGINES)  # the registry, in the order a reader compares them
 # What a preset runs unless --configs says otherwise: vLLM's native offloading is opt-in, as
 # vLLM 0.32 runs it on CUDA and XPU only (on the CPU build both fail at start, as recorded).
 DEFAULT_CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
@@ -178,35 +181,42 @@ class ConfigRunner:
                # connector, 2 with one). One explicit setting for every configuration keeps the
                # comparison about the KV path, not the binding.
                "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
-        py = sys.executable
         c = self.config
-        if c in ("local-disk", "shared-pool"):
-            settings: dict[str, Any] = {"host_bytes": self.spec.host_bytes, "chunk_tokens": 256}
-            if c == "local-disk":
-                settings["disk_path"] = str(self.work / f"disk-{i}")
-                settings["disk_bytes"] = "16GiB"
-            else:
-                settings["pool_url"] = f"fs://{self.work / 'pool'}"
-                settings["pool_bytes"] = "16GiB"
-            settings["metrics_file"] = str(self.work / f"metrics-{i}")
-            cfg = self.work / f"kvtier-{i}.yaml"
-            cfg.parent.mkdir(parents=True, exist_ok=True)
-            cfg.write_text(yaml.safe_dump(settings))
-            argv = [py, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *args]
-        else:
-            argv = [py, "-m", "vllm.entrypoints.openai.api_server", *args]
-            if c == "example-connector":
-                kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"shared_storage_path": str(self.work / "store")}}
-                argv += ["--kv-transfer-config", json.dumps(kv)]
-            elif c == "lmcache":
-                argv = self._lmcache(argv, args)
-            elif c in ("vllm-offload-cpu", "vllm-offload-fs"):
-                argv += ["--kv-transfer-config", json.dumps(offloading_kv_config(self.spec, c, self.work))]
-            elif c != "recompute":
-                raise ValueError(f"unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
+        build = getattr(self, ENGINES.get(c, ""), None)
+        if build is None:
+            raise ValueError(f"unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
+        argv = build(i, args)
         return Process(f"{c} engine {i}", argv, self.logs / f"{c}-engine{i}.log", env,
                        ready_url=f"http://127.0.0.1:{port}/health")
+
+    def _vllm(self, i: int, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+
+    def _kvtier(self, i: int, args: list[str]) -> list[str]:
+        settings: dict[str, Any] = {"host_bytes": self.spec.host_bytes, "chunk_tokens": 256}
+        if self.config == "local-disk":
+            settings["disk_path"] = str(self.work / f"disk-{i}")
+            settings["disk_bytes"] = "16GiB"
+        else:
+            settings["pool_url"] = f"fs://{self.work / 'pool'}"
+            settings["pool_bytes"] = "16GiB"
+        settings["metrics_file"] = str(self.work / f"metrics-{i}")
+        cfg = self.work / f"kvtier-{i}.yaml"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(yaml.safe_dump(settings))
+        return [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *args]
+
+    def _example(self, i: int, args: list[str]) -> list[str]:
+        kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": str(self.work / "store")}}
+        return [*self._vllm(i, args), "--kv-transfer-config", json.dumps(kv)]
+
+    def _offload(self, i: int, args: list[str]) -> list[str]:
+        kv = offloading_kv_config(self.spec, self.config, self.work)
+        return [*self._vllm(i, args), "--kv-transfer-config", json.dumps(kv)]
+
+    def _lmcache_engine(self, i: int, args: list[str]) -> list[str]:
+        return self._lmcache(self._vllm(i, args), args)
 
     def _lmcache(self, argv: list[str], args: list[str]) -> list[str]:
         py = self.spec.lmcache_python
