@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.offline import near_tie
+
 ENGINE = ["-m", "kvtier.bench.offline"]
 ASYNC_ENGINE = [str(Path(__file__).with_name("_async_engine.py"))]
-TIE_NATS = 0.02  # about two bf16 steps of a log-probability near -10 (see tests/faults/harness/engine.py)
 
 
 class EngineFailed(AssertionError):
@@ -53,17 +54,6 @@ def _spawn(script: list[str], model: Path, tmp: Path, name: str, prompts: list[l
     for path in tmp.glob(f"{name}.metrics.*.json"):
         metrics[path.name.removeprefix(f"{name}.metrics.").removesuffix(".json")] = json.loads(path.read_text())
     return json.loads((tmp / f"{name}.json").read_text()), metrics
-
-
-def near_tie(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    """At the first differing position, each run's token is among the other run's top five and
-    within TIE_NATS of that run's most likely token (a flip by numerical noise, not a bug)."""
-    j = next(i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=False)) if a != b)
-    got_top = {int(t): lp for t, lp in got["top"][j]}
-    want_top = {int(t): lp for t, lp in want["top"][j]}
-    a, b = got["tokens"][j], want["tokens"][j]
-    return (a in want_top and want_top[b] - want_top[a] < TIE_NATS
-            and b in got_top and got_top[a] - got_top[b] < TIE_NATS)
 
 
 def mismatches(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[int]:

@@ -4,7 +4,7 @@ parallel 2, and vLLM's default failure policy. Real vLLM engines (CPU build), fr
 Outputs are compared with plain vLLM (no connector) under the same configuration. The tiny
 random model is nearly uniform, so a run that computes the same prefix in another order can
 flip a token where its top two log-probabilities are within ~0.02 nats; such a mutual near-tie
-counts as equal (``_runs.near_tie``), a jump to an unrelated distribution does not.
+counts as equal (``kvtier.bench.offline.near_tie``), a jump to an unrelated distribution does not.
 """
 
 from __future__ import annotations

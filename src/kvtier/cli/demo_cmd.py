@@ -85,14 +85,20 @@ def _engine(spec: dict[str, Any], root: Path, name: str) -> dict[str, Any]:
 
 def engine_scenario(root: Path) -> dict[str, Any]:
     """The seed's cold resume with vLLM: instance A fills a pool, a new instance B resumes."""
+    from kvtier.bench.offline import same_answer
     from kvtier.model import make_model
 
     model = root / "tiny-llama"
     make_model(model)
     rng = np.random.default_rng(3)
     sessions = [rng.integers(100, 31000, ENGINE_SESSION_TOKENS).tolist() for _ in range(ENGINE_SESSIONS)]
-    base = {"model": str(model), "prompts": sessions, "max_tokens": 1, "connector": "kvtier", "kv_cache_gib": 2,
-            "logprobs": None, "log_stats": False}
+    # Log-probabilities of the first token: a resume's token may differ from recompute's only
+    # at a near tie (``offline.near_tie``: a flip by numerical noise of the random-weight model).
+    # A short first request warms each engine up (its first sampling with log-probabilities costs
+    # seconds); it is shorter than a chunk, so nothing of it is stored, and it is not reported.
+    warmup = rng.integers(100, 31000, 64).tolist()
+    base = {"model": str(model), "prompts": [warmup, *sessions], "max_tokens": 1, "connector": "kvtier",
+            "kv_cache_gib": 2, "logprobs": 5, "log_stats": False}
     extra = {"pool_url": f"fs://{root / 'engine-pool'}", "host_bytes": "512MiB"}
     a = _engine({**base, "extra": {**extra, "disk_path": str(root / "disk-a"),
                                    "metrics_file": str(root / "a.metrics")}}, root, "a")
@@ -103,8 +109,9 @@ def engine_scenario(root: Path) -> dict[str, Any]:
     return {
         "sessions": [{"prompt_tokens": ra["prompt_tokens"], "recompute_ttft_s": ra["ttft_s"],
                       "resume_ttft_s": rb["ttft_s"], "resume_cached_tokens": rb["cached"],
-                      "same_first_token": ra["tokens"] == rb["tokens"]}
-                     for ra, rb in zip(a["results"], b["results"], strict=True)],
+                      "same_first_token": ra["tokens"] == rb["tokens"],
+                      "same_answer": same_answer(rb, ra)}
+                     for ra, rb in zip(a["results"][1:], b["results"][1:], strict=True)],
         "tokens_by_tier": {name: t["bytes_read"] // bytes_per_token for name, t in tiers.items()},
         "engine_start_s": [a["start_s"], b["start_s"]],
     }
@@ -118,7 +125,7 @@ def engine_table(scenario: dict[str, Any]) -> Table:
     for i, s in enumerate(scenario["sessions"]):
         table.add_row(str(i), str(s["prompt_tokens"]), f"{s['recompute_ttft_s']:.2f} s", f"{s['resume_ttft_s']:.3f} s",
                       f"{s['recompute_ttft_s'] / s['resume_ttft_s']:.1f}x", str(s["resume_cached_tokens"]),
-                      "yes" if s["same_first_token"] else "NO")
+                      "yes" if s["same_first_token"] else "near tie" if s["same_answer"] else "NO")
     served = ", ".join(f"{k} {v}" for k, v in scenario["tokens_by_tier"].items() if v)
     table.caption = f"tokens B read per tier: {served or 'none'}"
     return table
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             trip = round_trip(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    ok = trip["identical"] and (scenario is None or all(s["same_first_token"] for s in scenario["sessions"]))
+    ok = trip["identical"] and (scenario is None or all(s["same_answer"] for s in scenario["sessions"]))
     if args.json:
         emit_json({"engine": scenario, "probe": probe.to_dict(), "round_trip": trip})
         return 0 if ok else 1

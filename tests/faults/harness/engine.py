@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from faults.harness import FaultRow, Scale, is_root, scenario
-from integration._runs import near_tie
+from kvtier.bench.offline import near_tie
 
 RUNNER = ["-m", "kvtier.bench.offline"]  # the one engine runner, through a plan of prompts and actions
 CHUNK = 256
