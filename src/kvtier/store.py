@@ -58,7 +58,7 @@ from kvtier.tiers.host import HostTier, Lease
 from kvtier.tiers.locate import locate
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.tiers.redis import is_redis_url
-from kvtier.writer import BackgroundWriter, retain_in
+from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
@@ -615,14 +615,14 @@ class TieredStore:
         for tier in tiers:
             for key in keys:
                 try:
-                    retain_in(tier, key, until)
+                    tier.retain(key, until)  # a no-op in tiers that do not retain (TierBase)
                 except Exception:  # best effort: a tier bug must not stop the others
                     log.exception("tier %s raised on retain", tier.name)
 
     def _apply_retention(self, tier: Tier, key: bytes) -> None:
         until = self._retained.get(key)
         if until is not None and until > time.time():
-            retain_in(tier, key, until)
+            tier.retain(key, until)
 
     def _check_kv(self, kv: torch.Tensor, min_tokens: int) -> None:
         if not isinstance(kv, torch.Tensor):

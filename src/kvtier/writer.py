@@ -27,11 +27,6 @@ class _Write:
     on_done: Callable[[], None] | None
 
 
-def retain_in(tier: Tier, key: bytes, until: float) -> None:
-    """Retention in a tier that supports it (disk, pool); a no-op elsewhere (host DRAM, Redis)."""
-    tier.retain(key, until)
-
-
 class BackgroundWriter:
     """``after_store(tier, key)``, when given, runs after each chunk a tier stored or already had
     (the store applies a session's retention there)."""

@@ -101,7 +101,6 @@ METRICS: list[Metric] = [
     *(Metric(name, "counter", help, (label,)) for name, label, help in LABELLED_COUNTERS.values()),
     *GAUGE_METRICS,
 ]
-BY_NAME = {m.name: m for m in METRICS}
 _FIELD_NAMES = [(f.name, tier_metric_name(f.name)) for f in fields(TierCounters)]  # flatten runs every step
 
 
