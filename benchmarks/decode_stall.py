@@ -167,7 +167,7 @@ def main() -> int:
         worker(args.worker)
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-decode-stall-"))
-    from kvtier.model import model_or_tiny
+    from kvtier.bench.model import model_or_tiny
 
     model = model_or_tiny(args.model, tmp)
     rng = random.Random(7)

@@ -91,9 +91,9 @@ def final_long_tokens(args: argparse.Namespace) -> int:
 def chunk_file_bytes() -> int:
     import torch
 
+    from kvtier.bench.model import HEAD_DIM, KV_HEADS, LAYERS
     from kvtier.format import file_bytes_for
     from kvtier.layout import KVLayout
-    from kvtier.model import HEAD_DIM, KV_HEADS, LAYERS
 
     return file_bytes_for(CHUNK * KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16).bytes_per_token)
 
@@ -356,7 +356,7 @@ def main() -> int:
 
     tmp = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-retention-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    from kvtier.model import model_or_tiny
+    from kvtier.bench.model import model_or_tiny
 
     model = model_or_tiny(args.model, tmp)
     final = final_long_tokens(args)

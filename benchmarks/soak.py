@@ -801,7 +801,7 @@ def run_soak(args: argparse.Namespace) -> int:
         (out / stale).unlink(missing_ok=True)
     model: Path = args.model
     if not (model / "config.json").exists():
-        from kvtier.model import make_model
+        from kvtier.bench.model import make_model
 
         print(f"building the tiny model in {model}", flush=True)
         make_model(model)

@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
-    from kvtier.model import model_or_tiny
+    from kvtier.bench.model import model_or_tiny
 
     model = model_or_tiny(args.model, tmp)
     rng = random.Random(1)

@@ -23,9 +23,9 @@ if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
 
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvtier.bench.model import make_model
     from kvtier.bench.suite import SuiteSpec, run_suite
     from kvtier.bench.workload import WorkloadSpec
-    from kvtier.model import make_model
 
     root = tmp_path_factory.mktemp("suite")
     make_model(root / "model")

@@ -50,7 +50,7 @@ def run_engine(model: Path, tmp: Path, name: str, connector: dict[str, Any],
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.model import make_model
+    from kvtier.bench.model import make_model
 
     path = tmp_path_factory.mktemp("model") / "tiny-llama"
     make_model(path)

@@ -29,7 +29,7 @@ ALWAYS = {"load_policy": "always"}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.model import make_model
+    from kvtier.bench.model import make_model
 
     path = tmp_path_factory.mktemp("model") / "tiny-llama"
     make_model(path)

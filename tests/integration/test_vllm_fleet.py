@@ -113,7 +113,7 @@ def pool_keys(pool: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from kvtier.bench.engines import free_port
-    from kvtier.model import make_model
+    from kvtier.bench.model import make_model
 
     root = tmp_path_factory.mktemp("fleet")
     make_model(root / "model")

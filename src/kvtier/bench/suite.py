@@ -467,7 +467,7 @@ def run_suite(spec: SuiteSpec, progress: Callable[[str], None] | None = None) ->
         raise ValueError(f"{spec.out} already holds a run (requests.jsonl); choose a new --out")
     model = spec.model
     if model is None:
-        from kvtier.model import make_model
+        from kvtier.bench.model import make_model
 
         model = spec.out / "model"
         if not (model / "config.json").exists():

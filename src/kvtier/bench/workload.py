@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.bench.client import Session, Turn
-from kvtier.model import SYLLABLES, WORDS
+from kvtier.bench.model import SYLLABLES, WORDS
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

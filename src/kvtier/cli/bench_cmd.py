@@ -158,7 +158,7 @@ def _suite(args: argparse.Namespace) -> int:
     if args.no_probe:
         spec.probe_total = None
     if not (spec.model / "config.json").exists():
-        from kvtier.model import make_model
+        from kvtier.bench.model import make_model
 
         print(f"building the tiny model in {spec.model}", file=sys.stderr)
         make_model(spec.model)

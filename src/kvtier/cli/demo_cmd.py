@@ -85,8 +85,8 @@ def _engine(spec: dict[str, Any], root: Path, name: str) -> dict[str, Any]:
 
 def engine_scenario(root: Path) -> dict[str, Any]:
     """The seed's cold resume with vLLM: instance A fills a pool, a new instance B resumes."""
+    from kvtier.bench.model import make_model
     from kvtier.bench.offline import same_answer
-    from kvtier.model import make_model
 
     model = root / "tiny-llama"
     make_model(model)

@@ -23,7 +23,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.model import make_model
+    from kvtier.bench.model import make_model
 
     make_model(Path(args.dir), args.seed)
     if args.json:

@@ -85,7 +85,7 @@ class Bench:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model = self.workdir / "tiny-llama"
         if not (self.model / "config.json").exists():
-            from kvtier.model import make_model
+            from kvtier.bench.model import make_model
 
             make_model(self.model)
         self.prompts = make_prompts(self.n_prompts)
