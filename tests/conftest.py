@@ -99,11 +99,12 @@ def tiny() -> Tiny:
 
 @pytest.fixture
 def make_store(tiny: Tiny) -> Iterator[Any]:
-    """``make_store(**config_overrides, tiers=None)`` -> an open TieredStore, closed after the test."""
+    """``make_store(**config_overrides, tiers=None, host=None)`` -> an open TieredStore, closed after
+    the test (``tiers``/``host``: TieredStore's)."""
     stores: list[TieredStore] = []
 
-    def factory(*, tiers: Any = None, **overrides: Any) -> TieredStore:
-        store = TieredStore(tiny.config(**overrides), tiers=tiers)
+    def factory(*, tiers: Any = None, host: Any = None, **overrides: Any) -> TieredStore:
+        store = TieredStore(tiny.config(**overrides), tiers=tiers, host=host)
         stores.append(store)
         return store
 

@@ -174,7 +174,7 @@ def test_from_config_reads_yaml_and_real_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_IO_THREADS", "2")
     with TieredStore.from_config(path, write_queue_chunks=7) as store:
         assert store.chunk_tokens == 32
-        assert [t.name for t in store.tiers] == ["host", "disk", "pool"]
+        assert [t.name for t in store.levels] == ["host", "disk", "pool"]
         assert (store.config.io_threads, store.config.write_queue_chunks) == (2, 7)
         tokens = list(range(64))
         store.put(tokens, torch.zeros(store.layout.shape(64), dtype=torch.bfloat16))
@@ -185,4 +185,4 @@ def test_from_config_reads_yaml_and_real_environment(tmp_path, monkeypatch):
 def test_from_config_dict(monkeypatch):
     monkeypatch.delenv("KVTIER_CHUNK_TOKENS", raising=False)
     with TieredStore.from_config({**BASE, "chunk_tokens": 16, "host_bytes": "1MiB"}) as store:
-        assert (store.chunk_tokens, [t.name for t in store.tiers]) == (16, ["host"])
+        assert (store.chunk_tokens, [t.name for t in store.levels]) == (16, ["host"])

@@ -15,7 +15,7 @@ import torch
 from kvtier import TieredStore
 from kvtier.tiers.base import Chunk, Status, Tier
 from kvtier.tiers.faulty import FaultyTier
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import HostCache
 from kvtier.tiers.pool import PoolTier
 
 C = 16
@@ -136,9 +136,9 @@ class Truth:
 def test_random_operations_never_return_wrong_data(tiny, tmp_path, bits_equal):
     pool = PoolTier(tmp_path / "pool", None)
     faulty = FaultyTier(pool, seed=1234, delay_prob=0.3, max_delay_s=0.004, error_prob=0.15, miss_prob=0.1)
-    host = HostTier(5 * SLOT, tiny.layout, C)  # small: most reads go through the faulty pool
+    host = HostCache(5 * SLOT, tiny.layout, C)  # small: most reads go through the faulty pool
     store = TieredStore(tiny.config(io_threads=2, write_queue_chunks=64, read_timeout_s=5.0),
-                        tiers=[host, faulty])
+                        host=host, tiers=[faulty])
     truth = Truth(tiny)
     rng = random.Random(99)
     outcomes = {"put": 0, "hit": 0, "full_get": 0, "key_error": 0, "iter_chunks": 0}
@@ -225,9 +225,9 @@ def test_read_errors_are_misses_that_keep_the_file(tiny, tmp_path):
 def test_a_read_slower_than_read_timeout_ends_the_prefix_in_bounded_time(tiny, tmp_path, bits_equal):
     pool = PoolTier(tmp_path / "pool", None)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
-    host = HostTier(16 * SLOT, tiny.layout, C)
+    host = HostCache(16 * SLOT, tiny.layout, C)
     # tier_cooldown_s=0: every read probes the pool again (test_slow_tier.py covers the cooldown).
-    store = TieredStore(tiny.config(io_threads=2, read_timeout_s=0.2, tier_cooldown_s=0), tiers=[host, faulty])
+    store = TieredStore(tiny.config(io_threads=2, read_timeout_s=0.2, tier_cooldown_s=0), host=host, tiers=[faulty])
     try:
         tokens, kv = tiny.tokens(64), tiny.kv(64)
         store.put(tokens, kv)

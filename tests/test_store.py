@@ -20,7 +20,7 @@ from kvtier.format import HEADER_BYTES, PAYLOAD_OFFSET, ChunkSpec, unpack_header
 from kvtier.keys import FORMAT_VERSION, ChunkId
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, TierBase
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import HostCache
 
 C = 16       # chunk tokens
 SLOT = 8192  # one tiny chunk file / host slot
@@ -324,7 +324,7 @@ def test_context_manager_closes(tiny, tmp_path):
 
 def test_full_write_queue_drops_and_counts(make_store, tiny, gate_tier, bits_equal):
     store = make_store(write_queue_chunks=1, write_threads=1,
-                       tiers=[HostTier(1 << 20, tiny.layout, C), gate_tier])
+                       host=HostCache(1 << 20, tiny.layout, C), tiers=[gate_tier])
     tokens, kv = tiny.tokens(64), tiny.kv(64)
     assert store.put(tokens[:16], kv[:, :, :16]) == PutResult(1, 0, 0)
     assert gate_tier.entered.wait(5)  # the writer holds chunk 0 and waits at the gate
@@ -343,7 +343,7 @@ def test_full_write_queue_drops_and_counts(make_store, tiny, gate_tier, bits_equ
 
 
 def test_put_never_blocks_on_a_slow_tier(make_store, tiny, gate_tier):
-    store = make_store(write_queue_chunks=4, tiers=[HostTier(1 << 20, tiny.layout, C), gate_tier])
+    store = make_store(write_queue_chunks=4, host=HostCache(1 << 20, tiny.layout, C), tiers=[gate_tier])
     store.put(tiny.tokens(16, seed=99), tiny.kv(16))
     assert gate_tier.entered.wait(5)
     results: list[PutResult] = []
@@ -480,7 +480,7 @@ def test_failed_open_releases_what_it_already_opened(make_store, tmp_path, unwri
         make_store(disk_path=disk, pool_url=f"fs://{unwritable}")
     # The disk tier opened before the pool failed must not keep its exclusive lock.
     store = make_store(disk_path=disk, pool_url=f"fs://{tmp_path}/p")
-    assert [t.name for t in store.tiers] == ["host", "disk", "pool"]
+    assert [t.name for t in store.levels] == ["host", "disk", "pool"]
 
 
 def test_unavailable_tiers_can_be_left_out_and_reported(tiny, tmp_path, unwritable, bits_equal):
@@ -488,7 +488,7 @@ def test_unavailable_tiers_can_be_left_out_and_reported(tiny, tmp_path, unwritab
     reported: list[tuple[str, str]] = []
     config = tiny.config(disk_path=str(unwritable / "disk"), pool_url=f"fs://{unwritable}/pool")
     with TieredStore(config, unavailable=lambda name, exc: reported.append((name, str(exc)))) as store:
-        assert [t.name for t in store.tiers] == ["host"]
+        assert [t.name for t in store.levels] == ["host"] and store.tiers == []
         assert [name for name, _ in reported] == ["disk", "pool"]
         assert all("cannot use" in err for _, err in reported)
         tokens, kv = tiny.tokens(3 * tiny.chunk_tokens), tiny.kv(3 * tiny.chunk_tokens)
@@ -534,11 +534,12 @@ def test_open_builds_the_named_tiers(tiny, tmp_path):
     with TieredStore.open(tiny.model_id, tiny.layout, C, host_bytes="1MiB", disk_path=tmp_path / "d",
                           disk_bytes="1MiB", pool_url=f"fs://{tmp_path}/p", pool_bytes="2MiB",
                           io_threads=2) as store:
-        assert [t.name for t in store.tiers] == ["host", "disk", "pool"]
+        assert [t.name for t in store.levels] == ["host", "disk", "pool"]
+        assert [t.name for t in store.tiers] == ["disk", "pool"]  # below host DRAM, the Tier protocol
         assert (store.config.host_bytes, store.config.disk_bytes, store.config.pool_bytes) == (
             1 << 20, 1 << 20, 2 << 20)
     with TieredStore.open(tiny.model_id, tiny.layout, C, host_bytes=0) as bare:
-        assert bare.tiers == [] and bare.lookup(tiny.tokens(32)).num_tokens == 0
+        assert bare.levels == [] and bare.host is None and bare.lookup(tiny.tokens(32)).num_tokens == 0
 
 
 @pytest.fixture
@@ -626,7 +627,7 @@ def test_retention_reaches_the_disk_and_pool_copies_even_of_chunks_written_later
     store.flush()
     store.retain(ids[1:2], until)  # after
     store.flush()
-    for tier in store.tiers[1:]:
+    for tier in store.tiers:
         mtimes = [tier.files.path_for(cid.key).stat().st_mtime for cid in ids]
         assert mtimes[0] == mtimes[1] == pytest.approx(until) and mtimes[2] < until - 3000, tier.name
 

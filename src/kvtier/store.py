@@ -11,7 +11,7 @@ Contracts:
   or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
   are never returned. A tier that timed out (a read, or a lookup of the pool) is skipped for
   ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per cooldown.
-  Chunks read from a lower tier are promoted to host DRAM.
+  Chunks read from a tier are promoted to host DRAM.
 * ``get`` is ``load_into`` into one tensor, or ``KeyError`` if any chunk is gone;
   ``iter_chunks`` yields copies of the chunks ``load_into`` delivered, in order.
 * ``retain`` keeps chunks of a session in the disk tier and the pool until a time: they are
@@ -21,11 +21,16 @@ Contracts:
   caller fills, possibly later (an asynchronous device copy); the chunk is visible to readers
   and queued for disk and pool only once the caller commits it.
 
+Host DRAM (``self.host``, a ``HostCache``) is a slot cache, not a tier: chunks are read from
+disk or the pool straight into its slots, filled there by engines, and read where they lie.
+The tiers below it (``self.tiers``: disk, then the pool or Redis) speak the ``Tier`` protocol;
+``self.levels`` is both, fastest first, as lookups see them.
+
 All methods are thread-safe. ``close`` flushes pending writes; use the store as a context
 manager or call ``close`` before exit.
 
 Over 400 lines on purpose: one class, the public API, whose reads, writes and retention share
-the tiers, the guard, the buffers and the writer; the tiers, the writer and ``locate`` are
+host DRAM, the tiers, the guard, the buffers and the writer; those, and ``locate``, are
 modules of their own.
 """
 
@@ -48,13 +53,13 @@ from prometheus_client.registry import CollectorRegistry
 from kvtier.config import StoreConfig, load_settings, parse_bytes
 from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
-from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
+from kvtier.keys import ChunkId, ChunkKey, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
-from kvtier.tiers.base import Chunk, Status, Tier, aligned_buffer
+from kvtier.tiers.base import Chunk, Level, Status, Tier, aligned_buffer
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.guard import TierGuard
-from kvtier.tiers.host import HostTier, Lease
+from kvtier.tiers.host import HostCache, Lease
 from kvtier.tiers.locate import locate
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.tiers.redis import is_redis_url
@@ -204,8 +209,10 @@ class TieredStore:
     """KV chunks across host DRAM, local disk and a shared pool. See module docstring."""
 
     def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
+                 host: HostCache | None = None,
                  unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> None:
-        """Open the tiers ``config`` names, or use ``tiers`` (ordered fastest first) instead.
+        """Open host DRAM and the tiers ``config`` names; or, when ``tiers`` is given, use
+        ``tiers`` (ordered fastest first) and ``host`` (None: no host DRAM) instead.
 
         Raises TierUnavailableError when a directory cannot be used (unless ``unavailable``
         is given: see ``_open_tiers``), ValueError on bad config.
@@ -215,14 +222,16 @@ class TieredStore:
         self.chunk_tokens = config.chunk_tokens
         self.namespace = Namespace(config.model_id, config.layout, config.chunk_tokens, config.rank,
                                    config.world_size, config.tenant_salt, kv_format=config.kv_format)
+        if tiers is None and host is None and config.host_bytes > 0:
+            host = HostCache(config.host_bytes, config.layout, config.chunk_tokens)
+        self.host: HostCache | None = host
         self.tiers: list[Tier] = list(tiers) if tiers is not None else self._open_tiers(config, unavailable)
-        self.host: HostTier | None = next((t for t in self.tiers if isinstance(t, HostTier)), None)
         self.store_metrics = TierMetrics("store")
         self._specs: dict[bytes, ChunkSpec] = {}
         self._spec_lock = threading.Lock()
         self._spec(self.namespace)  # describes the namespace in the disk and pool directories
         self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
-        self._retained: dict[bytes, float] = {}  # key -> until: applied to chunks written later too
+        self._retained: dict[ChunkKey, float] = {}  # key -> until: applied to chunks written later too
         self._retained_lock = threading.Lock()
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
                                         after_store=self._apply_retention)
@@ -231,12 +240,17 @@ class TieredStore:
         self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s)
         self._closed = False
         self.registry: CollectorRegistry = new_registry(
-            {"store": self.store_metrics, **{t.name: t.metrics for t in self.tiers}})
+            {"store": self.store_metrics, **{t.name: t.metrics for t in self.levels}})
+
+    @property
+    def levels(self) -> list[Level]:
+        """Where chunks are looked up, fastest first: host DRAM (if any), then the tiers."""
+        return [self.host, *self.tiers] if self.host is not None else list(self.tiers)
 
     @staticmethod
     def _open_tiers(config: StoreConfig,
                     unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> list[Tier]:
-        """The tiers ``config`` names, fastest first.
+        """The tiers below host DRAM that ``config`` names, fastest first.
 
         A disk or pool tier that cannot be used raises TierUnavailableError, unless
         ``unavailable(name, error)`` is given: then it is reported there and left out, so an
@@ -256,8 +270,6 @@ class TieredStore:
                 tiers.append(tier)
 
         try:
-            if config.host_bytes > 0:
-                tiers.append(HostTier(config.host_bytes, config.layout, config.chunk_tokens))
             if config.disk_path is not None:
                 disk_path = config.disk_path
                 optional("disk", lambda: DiskTier(disk_path, config.disk_bytes, fsync=config.fsync,
@@ -330,12 +342,12 @@ class TieredStore:
         return LookupResult(len(located) * self.chunk_tokens, tuple(t.name for t in located),
                             self.chunk_tokens)
 
-    def _locate(self, ids: Sequence[ChunkId], count_metrics: bool = False) -> list[Tier]:
-        """The tier to read each chunk of the cached prefix from (``tiers.locate.locate``).
+    def _locate(self, ids: Sequence[ChunkId], count_metrics: bool = False) -> list[Level]:
+        """Host DRAM or the tier to read each chunk of the cached prefix from (``tiers.locate.locate``).
 
         Only public lookups count in the metrics, so a lookup-then-get counts once.
         """
-        return locate(self.tiers, self._guard, ids, count_metrics, self.chunk_tokens)
+        return locate(self.levels, self._guard, ids, count_metrics, self.chunk_tokens)
 
     # -- read -------------------------------------------------------------------------------
 
@@ -397,6 +409,7 @@ class TieredStore:
         spec = self._spec(self._namespace(tenant_salt))
         located = self._locate(ids)
         gate = _SinkGate()
+        # Host DRAM chunks are lent in place, on this thread; tier reads run on the I/O threads.
         futures = [None if tier is self.host
                    else self._io.submit(self._deliver, i, ids[i], tier, spec, sink, promote, gate)
                    for i, tier in enumerate(located)]
@@ -434,7 +447,7 @@ class TieredStore:
                     raise
         return None
 
-    def _deliver(self, index: int, cid: ChunkId, first: Tier, spec: ChunkSpec,
+    def _deliver(self, index: int, cid: ChunkId, first: Level, spec: ChunkSpec,
                  sink: Callable[[int, torch.Tensor], None], promote: bool = True,
                  gate: _SinkGate | None = None) -> str | None:
         got = self._load(cid, first, spec, promote)
@@ -468,36 +481,44 @@ class TieredStore:
         for i, tier in enumerate(loaded.chunk_tiers):
             yield LoadedChunk(i, tier, copies[i])
 
-    def _load(self, cid: ChunkId, first: Tier, spec: ChunkSpec, promote: bool = True) -> _Loaded | None:
-        """Load from ``first``, falling back to the tiers below it.
+    def _load(self, cid: ChunkId, first: Level, spec: ChunkSpec, promote: bool = True) -> _Loaded | None:
+        """Read ``cid`` from ``first`` (where the lookup found it), falling back to the tiers below.
 
-        A chunk read from disk or the pool lands straight in a host DRAM slot (promotion
-        without a copy); with no host tier or ``promote=False``, in a recycled buffer.
+        A chunk in host DRAM is lent where it lies (pinned); if it was evicted since the lookup,
+        every tier is tried.
         """
-        for tier in self.tiers[self.tiers.index(first):]:
-            if tier is self.host:
-                lease = self.host.acquire(cid)
-                if lease is not None:
-                    return _Loaded(tier.name, lease)
-                continue
+        if first is self.host:
+            lease = self.host.acquire(cid)
+            if lease is not None:
+                return _Loaded(self.host.name, lease)
+            start = 0
+        else:
+            start = next(i for i, tier in enumerate(self.tiers) if tier is first)
+        for tier in self.tiers[start:]:
             if not self._guard.usable(tier):
                 continue  # tripped by a timeout (possibly of another read of this load)
-            slot = self.host.reserve() if self.host is not None and promote else None
-            into = self.host.slot_buffer(slot) if self.host is not None and slot is not None else self._buffers.take()
-            result = tier.load(cid, spec, into)
-            if result.ok and result.chunk is not None:
-                if self.host is not None and slot is not None:
-                    lease = self.host.commit(slot, cid)
-                else:
-                    lease = Lease(result.chunk, partial(self._buffers.give, into))
-                return _Loaded(tier.name, lease)
-            if self.host is not None and slot is not None:
-                self.host.abandon(slot)
-            else:
-                self._buffers.give(into)
-            if result.status is not Status.MISS:
-                log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name,
-                         result.status.value, result.error)
+            got = self._read(cid, tier, spec, promote)
+            if got is not None:
+                return got
+        return None
+
+    def _read(self, cid: ChunkId, tier: Tier, spec: ChunkSpec, promote: bool) -> _Loaded | None:
+        """One tier's read, straight into a host DRAM slot (promotion without a copy); with no
+        host DRAM, no free slot or ``promote=False``, into a recycled buffer."""
+        host = self.host if promote else None
+        slot = host.reserve() if host is not None else None
+        into = host.slot_buffer(slot) if host is not None and slot is not None else self._buffers.take()
+        result = tier.load(cid, spec, into)
+        if result.ok and result.chunk is not None:
+            if host is not None and slot is not None:
+                return _Loaded(tier.name, host.commit(slot, cid))
+            return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)))
+        if host is not None and slot is not None:
+            host.abandon(slot)
+        else:
+            self._buffers.give(into)
+        if result.status is not Status.MISS:
+            log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name, result.status.value, result.error)
         return None
 
     # -- write ------------------------------------------------------------------------------
@@ -555,7 +576,7 @@ class TieredStore:
             if host.refresh(cid):  # not acquire: a save's presence check is not a read
                 return None
             slot = host.reserve()
-        lower = [t for t in self.tiers if t is not self.host and t.name not in skip_tiers]
+        lower = [t for t in self.tiers if t.name not in skip_tiers]
         if host is not None and slot is not None:
             buffer = host.slot_view(slot)
 
@@ -606,12 +627,11 @@ class TieredStore:
                 self._retained = {k: t for k, t in self._retained.items() if t > now}
             for cid in ids:
                 self._retained[cid.key] = max(until, self._retained.get(cid.key, 0.0))
-        lower = [t for t in self.tiers if t is not self.host]
-        if lower:
-            self._retainer.submit(self._retain_present, [cid.key for cid in ids], until, lower)
+        if self.tiers:
+            self._retainer.submit(self._retain_present, [cid.key for cid in ids], until, list(self.tiers))
 
     @staticmethod
-    def _retain_present(keys: Sequence[bytes], until: float, tiers: Sequence[Tier]) -> None:
+    def _retain_present(keys: Sequence[ChunkKey], until: float, tiers: Sequence[Tier]) -> None:
         for tier in tiers:
             for key in keys:
                 try:
@@ -619,7 +639,7 @@ class TieredStore:
                 except Exception:  # best effort: a tier bug must not stop the others
                     log.exception("tier %s raised on retain", tier.name)
 
-    def _apply_retention(self, tier: Tier, key: bytes) -> None:
+    def _apply_retention(self, tier: Tier, key: ChunkKey) -> None:
         until = self._retained.get(key)
         if until is not None and until > time.time():
             tier.retain(key, until)
@@ -659,6 +679,8 @@ class TieredStore:
         self._io.shutdown(wait=False, cancel_futures=True)
         self._retainer.shutdown(wait=False, cancel_futures=True)  # best effort, like a read: never hang exit
         self._guard.close()
+        if self.host is not None:
+            self.host.close()
         for tier in self.tiers:
             tier.close()
 
@@ -681,6 +703,6 @@ class TieredStore:
         """JSON-ready counters: ``{"store": {...}, "tiers": {name: {...}}, "write_queue": n}``."""
         return {
             "store": asdict(self.store_metrics.snapshot()),
-            "tiers": {t.name: asdict(t.metrics.snapshot()) for t in self.tiers},
+            "tiers": {t.name: asdict(t.metrics.snapshot()) for t in self.levels},
             "write_queue": self._writer.queued,
         }

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.format import ChunkSpec
+from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Chunk, Status, Tier
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class BackgroundWriter:
     (the store applies a session's retention there)."""
 
     def __init__(self, max_queued: int, num_threads: int = 1,
-                 after_store: Callable[[Tier, bytes], None] | None = None) -> None:
+                 after_store: Callable[[Tier, ChunkKey], None] | None = None) -> None:
         self._after_store = after_store
         self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)

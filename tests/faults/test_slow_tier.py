@@ -14,7 +14,7 @@ import pytest
 
 from kvtier import TieredStore
 from kvtier.tiers.faulty import FaultyTier
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import HostCache
 from kvtier.tiers.pool import PoolTier
 
 C = 16
@@ -25,9 +25,9 @@ TIMEOUT = 0.3
 def _store(tiny, tmp_path, ops, cooldown_s):
     pool = PoolTier(tmp_path / "pool", None)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=60.0, max_delay_s=60.0, ops=ops)
-    host = HostTier(16 * SLOT, tiny.layout, C)
+    host = HostCache(16 * SLOT, tiny.layout, C)
     store = TieredStore(tiny.config(io_threads=2, read_timeout_s=TIMEOUT, tier_cooldown_s=cooldown_s),
-                        tiers=[host, faulty])
+                        host=host, tiers=[faulty])
     return store, host, pool, faulty
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.format import ALIGN, ChunkSpec
-from kvtier.keys import ChunkId
+from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
 
 
@@ -69,19 +69,31 @@ class StoreResult:
     error: str = ""
 
 
-@runtime_checkable
-class Tier(Protocol):
-    """lookup / load / store / evict over whole chunks, all thread-safe."""
+class Level(Protocol):
+    """Where chunks can be found: the host DRAM cache or a tier. The store's lookup walk
+    (``tiers.locate``) and its timeout guard need only this."""
 
     name: str
     metrics: TierMetrics
+    may_hang: bool
+    """Lookups may block (a network filesystem): the store bounds them with ``read_timeout_s``."""
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
-        """How many of ``ids``, from the first on, this tier holds (stops at its first miss).
+        """How many of ``ids``, from the first on, this level holds (stops at its first miss).
 
-        Cheap and side-effect free apart from counters; a later ``load`` may still miss.
+        Cheap and side-effect free apart from counters; a later read may still miss.
         """
         ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class Tier(Level, Protocol):
+    """lookup / load / store / evict over whole chunks in storage below host DRAM (local disk,
+    a shared pool, Redis), all thread-safe. Chunks are copied in and out; nobody holds a
+    tier's memory (contrast ``tiers.host.HostCache``)."""
 
     def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
         """Read one chunk, fully validated against ``chunk`` and ``spec``.
@@ -100,17 +112,14 @@ class Tier(Protocol):
         """Evict least recently used chunks until at most ``target_bytes`` remain; count them."""
         ...
 
-    def close(self) -> None:
+    # Optional features: a tier without one inherits TierBase's default (may_hang too).
+
+    @property
+    def journal(self) -> ChangeJournal | None:
+        """Its additions and removals, for KV events (None: it reports none)."""
         ...
 
-    # Optional features: a tier without one inherits TierBase's default.
-
-    may_hang: bool
-    """Lookups may block (a network filesystem): the store bounds them with ``read_timeout_s``."""
-    journal: ChangeJournal | None
-    """Its additions and removals, for KV events (None: it reports none)."""
-
-    def retain(self, key: bytes, until: float) -> bool:
+    def retain(self, key: ChunkKey, until: float) -> bool:
         """Keep the chunk ahead of unretained ones until ``until`` (epoch s); False: not held, or
         this tier does not retain."""
         ...
@@ -130,7 +139,7 @@ class TierBase:
     may_hang = False
     journal: ChangeJournal | None = None
 
-    def retain(self, key: bytes, until: float) -> bool:
+    def retain(self, key: ChunkKey, until: float) -> bool:
         return False
 
     def read_evictions(self) -> list[bytes]:

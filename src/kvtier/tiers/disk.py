@@ -57,7 +57,7 @@ class DiskTier(TierBase):
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()
         self._retained: dict[ChunkKey, float] = {}  # key -> until (epoch s); also its file's mtime
         self._bytes = 0
-        self.journal = ChangeJournal()
+        self.journal: ChangeJournal = ChangeJournal()
         self._recover()
 
     def _recover(self) -> None:

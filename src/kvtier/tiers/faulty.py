@@ -1,7 +1,7 @@
 """FaultyTier: a proxy that injects seeded random delays and failures before each tier call.
 
 Used by tests (and by anyone who wants to see a store survive a misbehaving backend): wrap any
-tier, e.g. ``TieredStore(config, tiers=[HostTier(...), FaultyTier(PoolTier(...), seed=1,
+tier, e.g. ``TieredStore(config, host=HostCache(...), tiers=[FaultyTier(PoolTier(...), seed=1,
 error_prob=0.1, max_delay_s=0.01)])``. Before each ``lookup``/``load``/``store`` it may
 
 * sleep for a random time up to ``max_delay_s`` (with ``delay_prob``); ``wake()`` ends every

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 from kvtier.keys import ChunkId
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Level
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +35,12 @@ class TierGuard:
         self._lookup_threads = lookup_threads
         self._pool: cf.ThreadPoolExecutor | None = None  # started on the first timed lookup
 
-    def usable(self, tier: Tier) -> bool:
+    def usable(self, tier: Level) -> bool:
         """False while ``tier`` is tripped."""
         until = self._until.get(tier.name)
         return until is None or time.monotonic() >= until
 
-    def trip(self, tier: Tier, what: str) -> None:
+    def trip(self, tier: Level, what: str) -> None:
         """Take ``tier`` out of service for ``cooldown_s`` (it just timed out doing ``what``)."""
         with self._lock:
             fresh = not (tier.name in self._until and time.monotonic() < self._until[tier.name])
@@ -51,7 +51,7 @@ class TierGuard:
                         "for tier_cooldown_s=%s (those chunks are recomputed)", tier.name, what,
                         self.timeout_s, self.cooldown_s)
 
-    def lookup(self, tier: Tier, ids: Sequence[ChunkId]) -> int:
+    def lookup(self, tier: Level, ids: Sequence[ChunkId]) -> int:
         """``tier.lookup(ids)``, bounded by the timeout for tiers that may hang; 0 if tripped."""
         if not self.usable(tier):
             return 0

@@ -1,11 +1,16 @@
-"""Host DRAM tier: a slab of chunk-sized slots in this process, LRU within a byte budget.
+"""Host DRAM: a slot cache of chunks in this process, LRU within a byte budget.
 
-The slab is allocated once (its pages are touched on first use only) and reused, so reading a
-chunk from disk or the pool into host DRAM costs no allocation: the I/O thread reads the whole
-chunk file straight into a free slot (``reserve``), the store validates it, and ``commit``
-publishes it. Slots in use are pinned by a ``Lease``: eviction never reuses a pinned slot, so
-nobody ever sees a slot's bytes change under them. Eviction only drops the in-memory copy:
-chunks also written to disk or the pool stay available there.
+It is not a ``Tier``: a tier copies chunks in (``store``) and out (``load``); the host cache
+lends its own memory instead. The store reads disk and pool chunks straight into a free slot
+(``reserve``, then ``commit`` once validated, or ``abandon``), engines fill a slot in place
+(``TieredStore.begin_put``), and readers use a held chunk where it lies (``acquire``). Each
+such chunk is pinned by a ``Lease``: eviction never reuses a pinned slot, so nobody ever sees
+a slot's bytes change under them. Eviction only drops the in-memory copy: chunks also written
+to disk or the pool stay available there.
+
+The slab is allocated once (its pages are touched on first use only) and reused: a read into
+host DRAM costs no allocation. Like a tier, the cache has a ``name`` ("host"), ``metrics`` and
+``lookup``, so the store's one walk (``tiers.locate``) finds chunks in it and in the tiers below.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
+from kvtier.format import PAYLOAD_OFFSET, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase, aligned_buffer
+from kvtier.tiers.base import ChangeJournal, Chunk, aligned_buffer
 
 
 class Lease:
@@ -49,8 +54,11 @@ class _Slot:
     pins: int = 0
 
 
-class HostTier(TierBase):
+class HostCache:
+    """The host DRAM slot cache (module docstring). Thread-safe."""
+
     name = "host"
+    may_hang = False  # in-process memory: lookups never block (for tiers.locate)
 
     def __init__(self, capacity_bytes: int, layout: KVLayout, chunk_tokens: int) -> None:
         self.shape = layout.shape(chunk_tokens)
@@ -177,9 +185,10 @@ class HostTier(TierBase):
     def _publish_gauges(self) -> None:
         self.metrics.set(chunks=len(self._index), bytes=len(self._index) * self.slot_bytes)
 
-    # -- Tier protocol ----------------------------------------------------------------------
+    # -- lookup and read ---------------------------------------------------------------------
 
     def lookup(self, ids: Sequence[ChunkId]) -> int:
+        """How many of ``ids``, from the first on, are held (stops at the first miss)."""
         with self._lock:
             n = 0
             for cid in ids:
@@ -188,28 +197,6 @@ class HostTier(TierBase):
                     break
                 n += 1
             return n
-
-    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
-        """A copy of a held chunk (the store itself uses ``acquire`` and reads in place)."""
-        lease = self.acquire(chunk)
-        if lease is None:
-            return LoadResult(Status.MISS)
-        try:
-            return LoadResult(Status.HIT, Chunk(chunk, lease.chunk.data.clone()))
-        finally:
-            lease.release()
-
-    def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
-        with self._lock:
-            slot = self._index.get(chunk.id.key)
-            if slot is not None and self._slots[slot].id == chunk.id:
-                self._index.move_to_end(chunk.id.key)
-                return StoreResult(Status.EXISTS)
-        lease = self.put(chunk.id, chunk.data)
-        if lease is None:
-            return StoreResult(Status.FAILED, "every host slot is pinned")
-        lease.release()
-        return StoreResult(Status.WRITTEN)
 
     def put(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None]) -> Lease | None:
         """Copy ``data`` (one chunk, any device) into a slot, or let ``data(slot_view)`` fill it.
@@ -234,6 +221,7 @@ class HostTier(TierBase):
         return self.commit(slot, cid)
 
     def evict(self, target_bytes: int) -> int:
+        """Drop least recently used unpinned chunks until at most ``target_bytes`` are held; count them."""
         n = 0
         with self._lock:
             for key in list(self._index):
@@ -257,6 +245,7 @@ class HostTier(TierBase):
             return list(self._index)
 
     def close(self) -> None:
+        """Drop every chunk (journaled as removals)."""
         with self._lock:
             for key in self._index:
                 self.journal.record(False, key)

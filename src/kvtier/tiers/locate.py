@@ -1,16 +1,20 @@
-"""Where each chunk of a cached prefix is: the one walk over tiers, for stores and lookup views."""
+"""Where each chunk of a cached prefix is: the one walk over host DRAM and the tiers, for stores
+and lookup views."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from kvtier.keys import ChunkId
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Level
 from kvtier.tiers.guard import TierGuard
 
+L = TypeVar("L", bound=Level)
 
-def locate(tiers: Sequence[Tier], guard: TierGuard, ids: Sequence[ChunkId],
-           count_metrics: bool = False, chunk_tokens: int = 0) -> list[Tier]:
+
+def locate(tiers: Sequence[L], guard: TierGuard, ids: Sequence[ChunkId],
+           count_metrics: bool = False, chunk_tokens: int = 0) -> list[L]:
     """The tier to read each chunk of the cached prefix of ``ids`` from (the fastest holding it).
 
     ``tiers`` are ordered fastest first. The prefix ends at the first chunk that no usable tier
@@ -18,7 +22,7 @@ def locate(tiers: Sequence[Tier], guard: TierGuard, ids: Sequence[ChunkId],
     by one tier costs one call per tier. With ``count_metrics`` the lookups and hits are counted
     in each tier's metrics (``chunk_tokens`` per chunk).
     """
-    located: list[Tier] = []
+    located: list[L] = []
     missed_at: dict[int, int] = {}  # tier index -> position of its first miss
     pos = 0
     while pos < len(ids):

@@ -90,7 +90,7 @@ class PoolTier(TierBase):
         self._lock = threading.Lock()
         self._pending = 0
         self._known_total = 0
-        self.journal = ChangeJournal()
+        self.journal: ChangeJournal = ChangeJournal()
         self._log_pos: tuple[int, int] | None = None  # (inode, offset) read so far in ROOT/.evicted
 
     # -- protocol ---------------------------------------------------------------------------

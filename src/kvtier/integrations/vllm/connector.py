@@ -190,7 +190,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return out, gauges
         assert self.worker is not None
         worker, store = self.worker, self.worker.store
-        tiers = {t.name: t.metrics.snapshot() for t in store.tiers} if store is not None else {}
+        tiers = {t.name: t.metrics.snapshot() for t in store.levels} if store is not None else {}
         out, gauges = flatten(counters, tiers, first_rank=worker.rank == 0,
                               tier_fields=lambda name: name not in LOOKUP_FIELDS)
         gauges["kvtier_write_queue_chunks"] = float(store.write_queue if store is not None else 0)

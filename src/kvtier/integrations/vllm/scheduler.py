@@ -61,7 +61,7 @@ from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.store import open_pool_tier
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.locate import locate
 
@@ -136,11 +136,11 @@ class SchedulerRole:
         self.guard = TierGuard(store.read_timeout_s, store.tier_cooldown_s)
         self.events = events
         self.host_views: dict[int, HostView] = {}
-        self.rank_tiers: dict[int, list[Tier]] = self._open_views(inject_faults)
+        self.rank_tiers: dict[int, list[Level]] = self._open_views(inject_faults)
 
     # ---------------------------------------------------------------- the lookup view
 
-    def _open_views(self, inject_faults: bool) -> dict[int, list[Tier]]:
+    def _open_views(self, inject_faults: bool) -> dict[int, list[Level]]:
         pool: Tier | None = None
         try:
             pool = open_pool_tier(self.config)
@@ -150,9 +150,9 @@ class SchedulerRole:
             from kvtier.tiers.faulty import FaultyTier
 
             pool = FaultyTier(pool, **self.connector.inject_faults[pool.name])
-        views: dict[int, list[Tier]] = {}
+        views: dict[int, list[Level]] = {}
         for rank in range(self.dep.sharding.world_size):
-            tiers: list[Tier] = []
+            tiers: list[Level] = []
             if self.config.host_bytes > 0:
                 tiers.append(self.host_views.setdefault(rank, HostView()))
             if self.config.disk_path is not None:

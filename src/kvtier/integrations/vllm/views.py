@@ -14,15 +14,16 @@ from blake3 import blake3
 
 from kvtier.keys import ChunkId
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import TierBase, leading_held
+from kvtier.tiers.base import leading_held
 from kvtier.tiers.files import ChunkFiles
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class HostView(TierBase):
-    """The scheduler's mirror of the keys one worker rank's host tier holds (lookup only).
+class HostView:
+    """The scheduler's mirror of the keys one worker rank's host DRAM holds: a lookup-only
+    ``Level`` (``tiers.base``).
 
     It lags the worker by at most one step; a chunk evicted in between is read from disk or
     the pool if it is there, and otherwise reported as a failed load that vLLM recomputes: a
@@ -30,6 +31,7 @@ class HostView(TierBase):
     """
 
     name = "host"
+    may_hang = False
 
     def __init__(self) -> None:
         self.metrics = TierMetrics(self.name)
@@ -50,8 +52,10 @@ class HostView(TierBase):
         self.keys.clear()
 
 
-class FileLookup(TierBase):
-    """Lookup-only view of a chunk directory (a rank's disk tier): no lock, no index."""
+class FileLookup:
+    """Lookup-only view of a chunk directory (a rank's disk tier), a ``Level``: no lock, no index."""
+
+    may_hang = False  # a local disk
 
     def __init__(self, name: str, path: str) -> None:
         self.name = name

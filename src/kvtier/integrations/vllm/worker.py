@@ -135,7 +135,7 @@ class WorkerRole:
                 if tier.journal is not None:
                     tier.journal.enable()
                 tier.read_evictions()  # start at the pool's eviction log's end
-        self._tier_order = {t.name: i for i, t in enumerate(store.tiers)}
+        self._tier_order = {t.name: i for i, t in enumerate(store.levels)}
         self.store = store
         if self.paged is not None:
             self.mover = PageMover(self.paged, store, self.blocks_per_chunk)
@@ -265,7 +265,7 @@ class WorkerRole:
         if read_log:
             self._evictions_read = time.monotonic()
         for tier in self.store.tiers:
-            if tier.journal is not None and tier is not self.store.host:  # host changes: host_changes
+            if tier.journal is not None:  # host DRAM's changes travel apart: host_changes
                 out.extend((tier.name, added, key) for added, key in tier.journal.drain())
             if read_log:
                 out.extend((tier.name, False, key) for key in tier.read_evictions())
