@@ -15,13 +15,16 @@ reading an answer) and records, per request:
   with its error, never dropped, and its session goes on.
 
 Records are plain dicts with the keys of ``RECORD_KEYS`` plus the caller's tags (config,
-concurrency, ...); ``start_s`` counts from the client's ``origin``.
+concurrency, ...); ``start_s`` counts from the client's ``origin``. :func:`closed_loop` runs
+sessions for a set time instead of a set list (the soak run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -208,3 +211,71 @@ class LoadClient:
             record["itl_s"] = (last - first) / (tokens - 1)
         if not record["output_tokens"]:
             record["output_tokens"] = chunks  # the server sent no usage: count text chunks
+
+
+async def closed_loop(client: LoadClient, seconds: float, slots: int,
+                      next_session: Callable[[], tuple[Session, dict[str, Any]]], *,
+                      on_record: Callable[[Record], None] | None = None, interval: float = 10.0,
+                      tick: Callable[[float], None] | None = None, stall_s: float = math.inf,
+                      stalled: Callable[[float, float], None] | None = None, drain_s: float = 120.0,
+                      say: Callable[[str], None] | None = None) -> float:
+    """Run sessions in ``slots`` closed-loop slots for ``seconds``; returns the seconds it took.
+
+    Each slot runs ``next_session()``'s session (every turn, tagged with its tags) after the
+    other and starts none after the deadline; sessions in flight then get ``drain_s`` to finish
+    and are cancelled (unrecorded; ``say`` hears how many). ``tick(t)`` (seconds since the
+    start) runs every ``interval`` seconds and once at the deadline, while the load is on; an
+    exception from it stops the load and is raised. ``stalled(t, gap)`` runs every second
+    while no request has ended for ``stall_s`` seconds (``gap``: since the last end).
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    last_end = t0
+
+    def record(r: Record) -> None:
+        nonlocal last_end
+        last_end = time.perf_counter()
+        if on_record is not None:
+            on_record(r)
+
+    async def watchdog() -> None:
+        while stalled is not None:
+            await asyncio.sleep(1.0)
+            now = time.perf_counter()
+            if now - last_end >= stall_s:
+                stalled(now - t0, now - last_end)
+
+    async def slot() -> None:
+        while time.perf_counter() < deadline:
+            session, tags = next_session()
+            await client.run([session], range(len(session.turns)), 1, on_record=record, tags=tags)
+
+    async def ticker() -> None:  # runs to the deadline even without ``tick``: the drain starts there
+        for n in itertools.count(1):
+            await asyncio.sleep(max(0.0, min(deadline, t0 + n * interval) - time.perf_counter()))
+            if time.perf_counter() >= deadline - 0.5:
+                return
+            if tick is not None:
+                tick(time.perf_counter() - t0)
+
+    tasks = [asyncio.create_task(slot()) for _ in range(slots)]
+    ticks, dog = asyncio.create_task(ticker()), asyncio.create_task(watchdog())
+    await asyncio.wait([ticks], timeout=max(0.0, deadline - time.perf_counter()) + 1.0)
+    if ticks.done() and not ticks.cancelled() and (exc := ticks.exception()) is not None:
+        for task in [*tasks, dog]:
+            task.cancel()
+        await asyncio.gather(*tasks, dog, return_exceptions=True)
+        raise exc
+    ticks.cancel()
+    if tick is not None:
+        tick(time.perf_counter() - t0)  # the last call under load
+    _, late = await asyncio.wait(tasks, timeout=drain_s)
+    for task in [*late, dog]:
+        task.cancel()
+    await asyncio.gather(*tasks, dog, return_exceptions=True)
+    if late and say is not None:
+        say(f"  {len(late)} session(s) still running {drain_s:g} s after the deadline: cancelled")
+    for task in tasks:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            raise exc
+    return time.perf_counter() - t0

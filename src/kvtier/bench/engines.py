@@ -3,7 +3,8 @@
 Each process runs in its own session (process group) with its output in a log file, so the
 suite can stop it and everything it spawned (vLLM's engine-core and worker processes), and
 can quote the log when it fails. Readiness is polled over HTTP (``/health`` for vLLM) or a
-TCP connect; a process that exits while starting fails at once with the log's tail.
+TCP connect; a process that exits while starting fails at once with the log's tail. A log
+can be counted (:func:`log_findings`) and cut to its head and tail (:func:`cut_log`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -127,10 +129,10 @@ class Process:
         cause = root_cause(self.log)
         raise EngineError(f"{self.name} {state}" + (f": {cause}" if cause else "") + f" (log: {self.log})")
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def stop(self, timeout_s: float = 60.0) -> Stopped:
         """SIGINT the server alone (vLLM then shuts its engine down in order: kvtier's worker
         flushes its writes), wait for the whole process group to exit; escalate to SIGTERM and
-        SIGKILL of the group only past ``timeout_s``.
+        SIGKILL of the group only past ``timeout_s``. Returns how it went (:class:`Stopped`).
 
         Signalling the whole group at once raced vLLM's own teardown: the engine core died
         before its connector shut down, and the group was killed as soon as the server exited,
@@ -138,25 +140,93 @@ class Process:
         """
         proc, self.proc = self.proc, None
         if proc is None:
-            return
+            return Stopped()
+        t0 = time.monotonic()
         try:
             proc.send_signal(signal.SIGINT)
         except ProcessLookupError:
             pass
-        deadline = time.monotonic() + timeout_s
-        for sig, until in ((None, deadline), (signal.SIGTERM, deadline + 10.0), (signal.SIGKILL, deadline + 20.0)):
-            if sig is not None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-            while time.monotonic() < until and group_pids(proc.pid, live_only=True):
-                proc.poll()  # reap the leader once it exits
-                time.sleep(0.2)
+        _wait_group(proc, t0 + timeout_s)
+        seconds = time.monotonic() - t0
+        killed = tuple(f"{process_role(pid)} ({pid})" for pid in group_pids(proc.pid, live_only=True))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             if not group_pids(proc.pid, live_only=True):
                 break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            _wait_group(proc, time.monotonic() + 10.0)
         proc.poll()
+        return Stopped(seconds, proc.returncode, killed)
 
+
+@dataclass(frozen=True)
+class Stopped:
+    """How :meth:`Process.stop` went: ``seconds`` from the SIGINT until the group had exited or
+    the grace period ended (None: nothing was running), the server's ``exit_status``, and the
+    processes still alive after the grace period (``"role (pid)"``), which were then killed."""
+
+    seconds: float | None = None
+    exit_status: int | None = None
+    killed: tuple[str, ...] = ()
+
+
+def _wait_group(proc: subprocess.Popen[bytes], until: float) -> None:
+    """Wait (until ``until``, monotonic) for every process of ``proc``'s group to exit, reaping
+    the leader once it does, so it does not linger as a zombie."""
+    while time.monotonic() < until and group_pids(proc.pid, live_only=True):
+        proc.poll()
+        time.sleep(0.2)
+
+
+def process_role(pid: int) -> str:
+    """A readable role for a process of an engine's group: vLLM titles its processes
+    ``VLLM::EngineCore`` and so on (-> ``EngineCore``); the server is ``APIServer``; else the
+    process's name (``comm``); ``?`` once it has gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+    first = argv[0].decode(errors="replace") if argv else ""
+    joined = b" ".join(argv).decode(errors="replace")
+    if first.startswith("VLLM::"):
+        return first.split()[0][6:]
+    if "api_server" in joined or "kvtier.cli.main" in joined:
+        return "APIServer"
+    if "resource_tracker" in joined:
+        return "resource_tracker"
+    return comm
+
+
+def log_findings(path: Path) -> dict[str, Any]:
+    """Counts of ERROR and WARNING lines and of tracebacks in a log, its first ERROR lines and
+    its distinct warnings (up to 5 and 10); ``{}`` when it cannot be read."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    errors = [line for line in lines if " ERROR " in line or line.startswith("ERROR")]
+    warnings = [line for line in lines if " WARNING " in line]
+    return {"error_lines": len(errors), "warning_lines": len(warnings),
+            "tracebacks": sum("Traceback (most recent call last)" in line for line in lines),
+            "first_errors": errors[:5],
+            "distinct_warnings": sorted({w.split("] ", 1)[-1][:160] for w in warnings})[:10]}
+
+
+def cut_log(path: Path, limit: int) -> None:
+    """Keep a log's first third and last two thirds of ``limit`` bytes, with a marker between,
+    when it is longer (for result folders that are committed); a missing log is left alone."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return
+    if len(data) <= limit:
+        return
+    head, tail = data[: limit // 3], data[-(2 * limit // 3):]
+    marker = f"\n[... {len(data) - len(head) - len(tail)} bytes cut ...]\n".encode()
+    path.write_bytes(head + marker + tail)
 
 
 def proc_stats() -> Iterator[tuple[int, str, list[str]]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -152,6 +152,16 @@ def make_model(out: Path, seed: int = 0) -> None:
     gen = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     save_file(weights(seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def ensure_model(out: Path, say: Callable[[str], None] | None = None) -> Path:
+    """``out``, with the tiny model built into it first unless it already holds a model
+    (``config.json``); ``say`` hears that it is being built."""
+    if not (out / "config.json").exists():
+        if say is not None:
+            say(f"building the tiny model in {out}")
+        make_model(out)
+    return out
 
 
 def model_or_tiny(model: Path | None, workdir: Path) -> Path:

@@ -132,8 +132,9 @@ def _group_sort_key(key: GroupKey) -> tuple[tuple[int, str, int], tuple[int, str
     return (_section_sort_key((workload, instances)), config_sort_key(config), concurrency)
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default method); None for no values."""
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), interpolated linearly between order statistics (numpy's
+    default method); None for no values."""
     return float(np.percentile(values, q)) if values else None
 
 
@@ -172,10 +173,10 @@ def _group_summary(rows: list[Record]) -> Record:
     figures: Record = {
         "requests": len(rows),
         "errors": len(rows) - len(ok),
-        "ttft_p50_s": _percentile(ttfts, 50),
-        "ttft_p90_s": _percentile(ttfts, 90),
-        "itl_p50_s": _percentile(itls, 50),
-        "e2e_p50_s": _percentile(e2es, 50),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "itl_p50_s": percentile(itls, 50),
+        "e2e_p50_s": percentile(e2es, 50),
         "output_tok_s": output_tokens / duration if duration else None,
         "prompt_tokens": sum(prompt) if prompt else None,
         "output_tokens": output_tokens,

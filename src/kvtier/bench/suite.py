@@ -133,6 +133,43 @@ def engine_argv(spec: SuiteSpec, model: Path, port: int, max_len: int) -> list[s
             "--shutdown-timeout", "30"]
 
 
+def engine_env(kv_cache_gib: int | None) -> dict[str, str]:
+    """The environment every engine of the suite (and the soak) runs with, over os.environ.
+
+    vLLM's CPU backend reserves cores for its scheduler, one more when any KV connector is set;
+    on a small machine that flips how many cores compute (2 cores: 1 without a connector, 2
+    with one). One explicit ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (0 unless set) for every
+    configuration keeps the comparison about the KV path, not the binding. ``kv_cache_gib``
+    sets ``VLLM_CPU_KVCACHE_SPACE``; None leaves it out (an engine sized with
+    ``--kv-cache-memory-bytes``, which the GiB setting would override).
+    """
+    env = {"PYTHONUNBUFFERED": "1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    return env
+
+
+def kvtier_serve_argv(settings: dict[str, Any], cfg: Path, vllm_args: Sequence[str]) -> list[str]:
+    """Write kvtier's ``settings`` to the YAML file ``cfg`` (its folder created) and return the
+    ``kvtier serve --config CFG -- VLLM_ARGS`` command line, in this Python."""
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(yaml.safe_dump(settings))
+    return [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *vllm_args]
+
+
+def read_metrics(path: Path) -> dict[str, Any]:
+    """The counters a connector wrote to ``path`` (its ``metrics_file``), or ``{"error": ...}``
+    when the file is missing (the engine did not shut down cleanly) or unreadable."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"error": f"{path.name} was not written (the worker did not shut down cleanly?)"}
+    except (OSError, ValueError) as exc:
+        return {"error": f"unreadable: {exc}"}
+    return data
+
+
 OFFLOAD_CHUNK_TOKENS = 256  # as kvtier's chunk_tokens: one offloaded chunk (and fs file) per 256 tokens
 
 
@@ -175,12 +212,7 @@ class ConfigRunner:
     def _engine(self, i: int) -> Process:
         port = free_port()
         args = engine_argv(self.spec, self.model, port, self.max_len)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.spec.kv_cache_gib), "PYTHONUNBUFFERED": "1",
-               # vLLM's CPU backend reserves cores for its scheduler, one more when any KV connector
-               # is set; on a small machine that flips how many cores compute (2 cores: 1 without a
-               # connector, 2 with one). One explicit setting for every configuration keeps the
-               # comparison about the KV path, not the binding.
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+        env = engine_env(self.spec.kv_cache_gib)
         c = self.config
         build = getattr(self, ENGINES.get(c, ""), None)
         if build is None:
@@ -201,10 +233,7 @@ class ConfigRunner:
             settings["pool_url"] = f"fs://{self.work / 'pool'}"
             settings["pool_bytes"] = "16GiB"
         settings["metrics_file"] = str(self.work / f"metrics-{i}")
-        cfg = self.work / f"kvtier-{i}.yaml"
-        cfg.parent.mkdir(parents=True, exist_ok=True)
-        cfg.write_text(yaml.safe_dump(settings))
-        return [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *args]
+        return kvtier_serve_argv(settings, self.work / f"kvtier-{i}.yaml", args)
 
     def _example(self, i: int, args: list[str]) -> list[str]:
         kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -388,12 +417,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
     finally:
         if runner is not None:
             runner.stop()
-    metrics = {}
-    for path in sorted((spec.out / "work" / config).glob("metrics-*.json")):
-        try:
-            metrics[path.name] = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:  # an engine killed before it wrote them
-            metrics[path.name] = {"error": f"unreadable: {exc}"}
+    metrics = {path.name: read_metrics(path) for path in sorted((spec.out / "work" / config).glob("metrics-*.json"))}
     if metrics:
         entry["kvtier_metrics"] = metrics
     return entry
@@ -467,12 +491,9 @@ def run_suite(spec: SuiteSpec, progress: Callable[[str], None] | None = None) ->
         raise ValueError(f"{spec.out} already holds a run (requests.jsonl); choose a new --out")
     model = spec.model
     if model is None:
-        from kvtier.bench.model import make_model
+        from kvtier.bench.model import ensure_model
 
-        model = spec.out / "model"
-        if not (model / "config.json").exists():
-            say(f"building the tiny model in {model}")
-            make_model(model)
+        model = ensure_model(spec.out / "model", say)
     text = TextMaker(model if (model / "tokenizer.json").exists() else None)
     say("environment and storage probe")
     (spec.out / "env.json").write_text(json.dumps(environment(spec, model), indent=2))

@@ -13,6 +13,8 @@ Texts are filler words of the kind the tiny model's tokenizer was trained on. Wi
 tokenizer (``tokenizer.json`` or a model directory holding one) contexts have the requested
 number of tokens; without one, one word counts as ``WORDS_PER_TOKEN`` tokens (an estimate).
 The same seed gives the same sessions, so every configuration sees the same prompts.
+:class:`RecurringContexts` hands out sessions one at a time for a timed run (the soak), over
+contexts that recur.
 """
 
 from __future__ import annotations
@@ -130,3 +132,47 @@ def make_sessions(spec: WorkloadSpec, text: TextMaker, first_id: int = 0) -> lis
                           spec.output_tokens, phase="turn")]
         sessions.append(Session(sid, context, turns))
     return sessions
+
+
+class RecurringContexts:
+    """Sessions, one at a time, over contexts that recur (the soak run's workload).
+
+    A session opens a never-seen context of ``tokens`` (min, max) tokens with probability
+    ``new_fraction``, else one of the last ``window`` new ones again (a cache has often evicted
+    it by then); its questions are always fresh, so only the context is shared. ``sessions``
+    and ``new`` count the sessions and the new contexts handed out. Seeded: the same seeds
+    give the same sequence.
+    """
+
+    def __init__(self, text: TextMaker, tokens: tuple[int, int], window: int, new_fraction: float,
+                 seed: int) -> None:
+        self.text, self.tokens, self.window, self.new_fraction, self.seed = text, tokens, window, new_fraction, seed
+        self.rng = random.Random(f"{seed}:soak:pick")
+        self.recent: list[int] = []  # context ids, oldest first
+        self.texts: dict[int, str] = {}  # the window's contexts only
+        self.next_id = self.sessions = self.new = 0
+
+    def pick(self) -> tuple[int, str]:
+        """The next session's context: (id, text)."""
+        if not self.recent or self.rng.random() < self.new_fraction:
+            cid, self.next_id = self.next_id, self.next_id + 1
+            rng = random.Random(f"{self.seed}:soak:context:{cid}")
+            self.texts[cid] = f"Context {cid}. " + self.text.words(rng, rng.randint(*self.tokens))
+            self.recent.append(cid)
+            if len(self.recent) > self.window:
+                self.texts.pop(self.recent.pop(0), None)
+            self.new += 1
+        else:
+            cid = self.rng.choice(self.recent)
+        self.sessions += 1
+        return cid, self.texts[cid]
+
+    def session(self, turns: int, question_tokens: int, output_tokens: int, think_s: float = 0.0,
+                seed: int = 0) -> tuple[int, Session]:
+        """(context id, session) of ``turns`` fresh questions (``think_s`` before each later one),
+        the questions drawn from ``seed`` and the session number."""
+        cid, context = self.pick()
+        rng = random.Random(f"{seed}:soak:session:{self.sessions}")
+        return cid, Session(self.sessions, context, [
+            Turn(f"Question {t}: " + self.text.words(rng, question_tokens), output_tokens,
+                 think_s=think_s if t else 0.0) for t in range(turns)])

@@ -17,13 +17,16 @@ def positive_ints(text: str) -> list[int]:
 
 
 def token_range(text: str) -> tuple[int, int]:
-    """``"4k-16k"`` -> (4096, 16384), as kvtier.bench.workload.parse_range reads it."""
+    """``"4k-16k"`` -> (4096, 16384), as kvtier.bench.workload.parse_range reads it; 0 < min <= max."""
     from kvtier.bench.workload import parse_range
 
     try:
-        return parse_range(text)
+        lo, hi = parse_range(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 0 < min <= max: {text!r}")
+    return lo, hi
 
 
 def byte_size(value: str) -> int:
