@@ -157,11 +157,9 @@ def _suite(args: argparse.Namespace) -> int:
     spec.lmcache_python = args.lmcache_python
     if args.no_probe:
         spec.probe_total = None
-    if not (spec.model / "config.json").exists():
-        from kvtier.bench.model import make_model
+    from kvtier.bench.model import ensure_model
 
-        print(f"building the tiny model in {spec.model}", file=sys.stderr)
-        make_model(spec.model)
+    ensure_model(spec.model, lambda line: print(line, file=sys.stderr))
     assert isinstance(spec.cold, WorkloadSpec)
     summary = _with_progress(lambda say: run_suite(spec, say))
     if not args.keep_work:

@@ -83,11 +83,9 @@ class Bench:
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.model = self.workdir / "tiny-llama"
-        if not (self.model / "config.json").exists():
-            from kvtier.bench.model import make_model
+        from kvtier.bench.model import ensure_model
 
-            make_model(self.model)
+        self.model = ensure_model(self.workdir / "tiny-llama")
         self.prompts = make_prompts(self.n_prompts)
 
     def base(self, name: str, **settings: Any) -> dict[str, Any]:
