@@ -62,7 +62,8 @@ def table(out: Path) -> str:
         before, b = cell(column(out, "before", name, key))
         after, a = cell(column(out, "after", name, key))
         ratio = f"{a / b:.2f}" if a is not None and b else ""
-        lines.append(f"| {name} | {key.removeprefix('median.')}{f' ({unit})' if unit else ''} | {before} | {after} | {ratio} |")
+        label = key.removeprefix("median.") + (f" ({unit})" if unit else "")
+        lines.append(f"| {name} | {label} | {before} | {after} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvtier.fileio import TMP_SUFFIX
 from kvtier.format import (
     HEADER_BYTES,
     PAYLOAD_OFFSET,
@@ -29,7 +30,7 @@ from kvtier.format import (
 )
 from kvtier.keys import recompute_key
 from kvtier.layout import DTYPES_BY_CODE
-from kvtier.tiers.files import MARKER, TMP_SUFFIX, ChunkFiles
+from kvtier.tiers.files import MARKER, ChunkFiles
 from kvtier.tiers.pool import PoolTier
 
 

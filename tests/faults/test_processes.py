@@ -9,7 +9,7 @@ import os
 import time
 
 from kvtier import admin
-from kvtier.tiers.files import TMP_SUFFIX
+from kvtier.fileio import TMP_SUFFIX
 from kvtier.tiers.pool import PoolTier
 
 from .harness import SCALES

@@ -6,9 +6,9 @@ Shared by the local disk tier and the shared pool. Layout::
     ROOT/ab/cd/<key>.kvt    one file per chunk, named by its key (hex)
     ROOT/ab/cd/<key>.kvt.<pid>.<rand>.tmp   a write in progress (or left by a crash)
 
-Publishing writes a uniquely named temp file in the final directory, then ``os.replace``s it:
-readers see a whole chunk or nothing, and two writers of one chunk write the same bytes
-(names are content addresses), so the last rename wins harmlessly. A temp file left by a
+Publishing writes a uniquely named temp file in the final directory, then ``os.replace``s it
+(``fileio.write_atomic``): readers see a whole chunk or nothing, and two writers of one chunk
+write the same bytes (names are content addresses), so the last rename wins harmlessly. A temp file left by a
 killed writer is never read (wrong suffix) and is removed by ``kvtier pool gc``.
 
 Over 400 lines on purpose: every byte a chunk directory writes or reads goes through here
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvtier.fileio import TMP_SUFFIX, write_atomic
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
 from kvtier.keys import DIGEST_BYTES, ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
@@ -42,7 +43,6 @@ from kvtier.tiers.pagecache import cached_bytes
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kvt"
-TMP_SUFFIX = ".tmp"
 MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
 _NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
@@ -139,29 +139,7 @@ class ChunkFiles:
     def write_small(self, path: Path, data: bytes) -> None:
         """Replace a small metadata file (marker, ``.usage``, namespaces) atomically; its mode
         is set exactly, whatever the umask (not a hot path)."""
-        self._write_replace(path, [data], exact_mode=True, fsync=False)
-
-    def _write_replace(self, final: Path, buffers: list[bytes | memoryview], *, exact_mode: bool,
-                       fsync: bool) -> None:
-        """Write ``buffers`` to a new, uniquely named temp file beside ``final``, then rename it
-        over ``final``: readers see the old file or the whole new one, never a part. With
-        ``fsync`` the data reaches the disk before the rename. On any error the temp file is
-        removed and the error raised (FileNotFoundError: ``final``'s directory is missing)."""
-        tmp = f"{final}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
-        try:
-            try:
-                if exact_mode:
-                    os.fchmod(fd, self.file_mode)  # the umask may have stripped bits
-                _write_all(fd, buffers)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+        write_atomic(path, data, mode=self.file_mode, exact_mode=True)
 
     def path_for(self, key: ChunkKey) -> Path:
         return Path(self._path_str(key))
@@ -202,10 +180,10 @@ class ChunkFiles:
         pad = spec.file_bytes - PAYLOAD_OFFSET - len(payload)
         buffers: list[bytes | memoryview] = [header, payload, _ZEROS[:pad]]
         try:
-            self._write_replace(final, buffers, exact_mode=self.group_access, fsync=self.fsync)
+            write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
         except FileNotFoundError:
             self._make_shard(final.parent)  # the first chunk of its shard (or the root is gone)
-            self._write_replace(final, buffers, exact_mode=self.group_access, fsync=self.fsync)
+            write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
         if self.fsync:
             _fsync_dir(final.parent)
         return spec.file_bytes
@@ -442,19 +420,6 @@ def _subdirs(path: Path) -> Iterator[Path]:
             yield Path(entry.path)
 
 
-def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        n = os.writev(fd, views)
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
-
-
 def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:
     """Fill ``view[done:]`` from ``fd`` at the same offsets; returns the bytes filled.
 
@@ -477,13 +442,6 @@ def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = F
 def _set_direct(fd: int, on: bool) -> None:
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-
-
-def _unlink_quietly(path: str | os.PathLike[str]) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _fsync_dir(path: Path) -> None:

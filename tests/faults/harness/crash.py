@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from kvtier import admin
+from kvtier.fileio import TMP_SUFFIX
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.tiers.base import Chunk, Status
-from kvtier.tiers.files import TMP_SUFFIX
 from kvtier.tiers.pool import PoolTier
 
 from . import FaultRow, Scale, scenario
