@@ -29,8 +29,8 @@ The tiers below it (``self.tiers``: disk, then the pool or Redis) speak the ``Ti
 All methods are thread-safe. ``close`` flushes pending writes; use the store as a context
 manager or call ``close`` before exit.
 
-Over 400 lines on purpose: one class, the public API, whose reads, writes and retention share
-host DRAM, the tiers, the guard, the buffers and the writer; those, and ``locate``, are
+Over 400 lines on purpose: one class, the public API, whose reads and writes share host DRAM,
+the tiers, the guard, the buffers and the writer; those, ``locate`` and ``retention`` are
 modules of their own.
 """
 
@@ -53,22 +53,20 @@ from prometheus_client.registry import CollectorRegistry
 from kvtier.config import StoreConfig, load_settings, parse_bytes
 from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
-from kvtier.keys import ChunkId, ChunkKey, Namespace, TokenIds, as_token_array, chunk_ids
+from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
+from kvtier.retention import Retention
 from kvtier.tiers.base import Chunk, Level, Status, Tier, aligned_buffer
-from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import HostCache, Lease
 from kvtier.tiers.locate import locate
-from kvtier.tiers.pool import PoolTier, parse_pool_url
-from kvtier.tiers.redis import is_redis_url
+from kvtier.tiers.opening import open_tiers
 from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.02  # how often a stoppable load_into checks its stop event while a read runs
-RETAINED_PRUNE_AT = 1 << 16  # retained keys remembered before expired ones are dropped
 
 
 @dataclass(frozen=True)
@@ -190,21 +188,6 @@ class BufferPool:
                 self._free.append(buf)
 
 
-def open_pool_tier(config: StoreConfig) -> Tier | None:
-    """The shared tier ``config.pool_url`` names (fs pool or Redis), or None when unset."""
-    if config.pool_url is None:
-        return None
-    if is_redis_url(config.pool_url):
-        from kvtier.tiers.redis import RedisTier  # imports redis-py: optional
-
-        return RedisTier(config.pool_url, prefix=config.redis_prefix, ttl_s=config.redis_ttl_s,
-                         timeout_s=config.redis_timeout_s, cluster=config.redis_cluster,
-                         username=config.redis_username, password=config.redis_password,
-                         options=config.redis_options)
-    return PoolTier(parse_pool_url(config.pool_url), config.pool_bytes, fsync=config.fsync,
-                    direct_io=config.direct_io, group_access=config.group_access)
-
-
 class TieredStore:
     """KV chunks across host DRAM, local disk and a shared pool. See module docstring."""
 
@@ -215,7 +198,7 @@ class TieredStore:
         ``tiers`` (ordered fastest first) and ``host`` (None: no host DRAM) instead.
 
         Raises TierUnavailableError when a directory cannot be used (unless ``unavailable``
-        is given: see ``_open_tiers``), ValueError on bad config.
+        is given: see ``tiers.opening.open_tiers``), ValueError on bad config.
         """
         self.config = config
         self.layout: KVLayout = config.layout
@@ -225,17 +208,15 @@ class TieredStore:
         if tiers is None and host is None and config.host_bytes > 0:
             host = HostCache(config.host_bytes, config.layout, config.chunk_tokens)
         self.host: HostCache | None = host
-        self.tiers: list[Tier] = list(tiers) if tiers is not None else self._open_tiers(config, unavailable)
+        self.tiers: list[Tier] = list(tiers) if tiers is not None else open_tiers(config, unavailable)
         self.store_metrics = TierMetrics("store")
         self._specs: dict[bytes, ChunkSpec] = {}
         self._spec_lock = threading.Lock()
         self._spec(self.namespace)  # describes the namespace in the disk and pool directories
         self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
-        self._retained: dict[ChunkKey, float] = {}  # key -> until: applied to chunks written later too
-        self._retained_lock = threading.Lock()
+        self._retention = Retention()
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
-                                        after_store=self._apply_retention)
-        self._retainer = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-retain")
+                                        after_store=self._retention.landed)
         self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
         self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s)
         self._closed = False
@@ -246,42 +227,6 @@ class TieredStore:
     def levels(self) -> list[Level]:
         """Where chunks are looked up, fastest first: host DRAM (if any), then the tiers."""
         return [self.host, *self.tiers] if self.host is not None else list(self.tiers)
-
-    @staticmethod
-    def _open_tiers(config: StoreConfig,
-                    unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> list[Tier]:
-        """The tiers below host DRAM that ``config`` names, fastest first.
-
-        A disk or pool tier that cannot be used raises TierUnavailableError, unless
-        ``unavailable(name, error)`` is given: then it is reported there and left out, so an
-        engine keeps serving (with fewer tiers) when a mount is missing.
-        """
-        tiers: list[Tier] = []
-
-        def optional(name: str, opener: Callable[[], Tier | None]) -> None:
-            try:
-                tier = opener()
-            except TierUnavailableError as exc:
-                if unavailable is None:
-                    raise
-                unavailable(name, exc)
-                return
-            if tier is not None:
-                tiers.append(tier)
-
-        try:
-            if config.disk_path is not None:
-                disk_path = config.disk_path
-                optional("disk", lambda: DiskTier(disk_path, config.disk_bytes, fsync=config.fsync,
-                                                  direct_io=config.direct_io,
-                                                  group_access=config.group_access))
-            optional("pool", lambda: open_pool_tier(config))
-        except BaseException:
-            # Release what opened before the failure (the disk tier's exclusive lock above all).
-            for tier in tiers:
-                tier.close()
-            raise
-        return tiers
 
     # -- construction -----------------------------------------------------------------------
 
@@ -617,32 +562,11 @@ class TieredStore:
 
     def retain(self, ids: Sequence[ChunkId], until: float) -> None:
         """Keep ``ids`` in the disk tier and the pool ahead of unretained chunks until ``until``
-        (epoch seconds), including any of them written later. Never waits for I/O: the chunks
-        already there are retained by a thread of their own, not queued behind (or dropped by)
-        the write queue."""
+        (epoch seconds), including any of them written later (``retention.py``). Never waits
+        for I/O: the chunks already there are retained by a thread of their own, not queued
+        behind (or dropped by) the write queue."""
         self._check_open()
-        now = time.time()
-        with self._retained_lock:
-            if len(self._retained) > RETAINED_PRUNE_AT:
-                self._retained = {k: t for k, t in self._retained.items() if t > now}
-            for cid in ids:
-                self._retained[cid.key] = max(until, self._retained.get(cid.key, 0.0))
-        if self.tiers:
-            self._retainer.submit(self._retain_present, [cid.key for cid in ids], until, list(self.tiers))
-
-    @staticmethod
-    def _retain_present(keys: Sequence[ChunkKey], until: float, tiers: Sequence[Tier]) -> None:
-        for tier in tiers:
-            for key in keys:
-                try:
-                    tier.retain(key, until)  # a no-op in tiers that do not retain (TierBase)
-                except Exception:  # best effort: a tier bug must not stop the others
-                    log.exception("tier %s raised on retain", tier.name)
-
-    def _apply_retention(self, tier: Tier, key: ChunkKey) -> None:
-        until = self._retained.get(key)
-        if until is not None and until > time.time():
-            tier.retain(key, until)
+        self._retention.retain(ids, until, self.tiers)
 
     def _check_kv(self, kv: torch.Tensor, min_tokens: int) -> None:
         if not isinstance(kv, torch.Tensor):
@@ -665,7 +589,7 @@ class TieredStore:
     def flush(self) -> None:
         """Block until every queued background write (and retention) has been attempted."""
         self._writer.flush()
-        self._retainer.submit(lambda: None).result()  # one thread, in order: the ones before are done
+        self._retention.flush()
 
     def close(self) -> None:
         """Flush pending writes, stop threads, release tiers. Idempotent."""
@@ -677,7 +601,7 @@ class TieredStore:
         # Reads still running are abandoned, not awaited: their callers gave up on them after
         # read_timeout_s, and a hung filesystem must not hang shutdown (and the metrics after it).
         self._io.shutdown(wait=False, cancel_futures=True)
-        self._retainer.shutdown(wait=False, cancel_futures=True)  # best effort, like a read: never hang exit
+        self._retention.close()  # best effort, like a read: never hang exit
         self._guard.close()
         if self.host is not None:
             self.host.close()

@@ -60,10 +60,10 @@ from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_pa
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
-from kvtier.store import open_pool_tier
 from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.locate import locate
+from kvtier.tiers.opening import open_pool_tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
