@@ -59,7 +59,10 @@ def test_cpu_times_dir_usage_and_proc_cpu(tmp_path: Path) -> None:
 def test_group_sampler_and_stall_recorder_on_a_real_group(tmp_path: Path) -> None:
     import sys
 
-    proc = Process("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "sleeper.log")
+    # SIGINT is handled explicitly, as vLLM's server does: a child of a shell's background job
+    # inherits SIGINT ignored, and Process.stop's SIGINT would then not end it.
+    sleeper = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"
+    proc = Process("sleeper", [sys.executable, "-c", sleeper], tmp_path / "sleeper.log")
     proc.start(timeout_s=10)
     try:
         assert proc.proc is not None
