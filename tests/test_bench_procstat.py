@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 from kvtier.bench import procstat
@@ -60,11 +61,21 @@ def test_group_sampler_and_stall_recorder_on_a_real_group(tmp_path: Path) -> Non
     import sys
 
     # SIGINT is handled explicitly, as vLLM's server does: a child of a shell's background job
-    # inherits SIGINT ignored, and Process.stop's SIGINT would then not end it.
-    sleeper = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"
-    proc = Process("sleeper", [sys.executable, "-c", sleeper], tmp_path / "sleeper.log")
+    # inherits SIGINT ignored, and Process.stop's SIGINT would not end it if it came before the
+    # handler is in place: the test waits for that.
+    sleeper = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "print('ready', flush=True); time.sleep(60)")
+    log = tmp_path / "sleeper.log"
+    proc = Process("sleeper", [sys.executable, "-c", sleeper], log)
     proc.start(timeout_s=10)
     try:
+        def ready() -> bool:  # a line of its own: the log's header quotes the command, 'ready' included
+            return log.exists() and "ready" in log.read_text().splitlines()
+
+        deadline = time.monotonic() + 30
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready(), log.read_text()
         assert proc.proc is not None
         pgid = proc.proc.pid
         group = procstat.GroupSampler(tmp_path)
