@@ -23,11 +23,13 @@ def make_host(tiny):
 
 
 def put(host: HostCache, chunk: Chunk) -> bool:
-    """Copy ``chunk`` in and drop the pin ``put`` returns; False when every slot is pinned."""
-    lease = host.put(chunk.id, chunk.data)
-    if lease is None:
+    """Copy a new ``chunk`` in as the store does (reserve, fill, commit) and drop the pin;
+    False when every slot is pinned."""
+    slot = host.reserve()
+    if slot is None:
         return False
-    lease.release()
+    host.slot_view(slot).copy_(chunk.data)
+    host.commit(slot, chunk.id).release()
     return True
 
 
@@ -54,13 +56,17 @@ def test_put_acquire_round_trip(make_host, tiny, bits_equal):
 
 
 def test_a_chunk_already_held_is_not_copied_again(make_host, tiny, bits_equal):
-    host = make_host()
+    """Two reads of one chunk race: the second commit gets the first's copy, its slot goes back."""
+    host = make_host(2)
     a, b = tiny.chunks(2)
     assert put(host, a)
-    lease = host.put(a.id, b.data)  # same identity: the held copy is returned, b's bytes unused
+    slot = host.reserve()
+    host.slot_view(slot).copy_(b.data)
+    lease = host.commit(slot, a.id)  # same identity: the held copy is returned, b's bytes unused
     bits_equal(lease.chunk.data, a.data)
     lease.release()
-    assert host.metrics.snapshot().written_chunks == 1
+    assert host.metrics.snapshot().written_chunks == 1 and host.keys() == [a.id.key]
+    assert put(host, b) and host.keys() == [a.id.key, b.id.key]  # the slot was freed, not lost
 
 
 def test_stored_copy_is_independent_of_the_callers_tensor(make_host, tiny, bits_equal):
@@ -140,7 +146,7 @@ def test_pinned_chunks_are_not_evicted(make_host, tiny, bits_equal):
     assert host.keys() == [a.id.key, c.id.key]
     bits_equal(lease.chunk.data, a.data)
     pin_c = host.acquire(c.id)
-    assert host.put(d.id, d.data) is None       # every slot pinned
+    assert not put(host, d)                     # every slot pinned
     assert host.reserve() is None
     lease.release()
     lease.release()                             # idempotent

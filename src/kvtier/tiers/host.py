@@ -198,28 +198,6 @@ class HostCache:
                 n += 1
             return n
 
-    def put(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None]) -> Lease | None:
-        """Copy ``data`` (one chunk, any device) into a slot, or let ``data(slot_view)`` fill it.
-
-        Returns the chunk pinned, or None when every slot is pinned. A chunk already held is
-        returned as it is (``data`` is not used).
-        """
-        held = self.acquire(cid)
-        if held is not None:
-            return held
-        slot = self.reserve()
-        if slot is None:
-            return None
-        try:
-            if callable(data):
-                data(self._view(slot))
-            else:
-                self._view(slot).copy_(data)
-        except BaseException:
-            self.abandon(slot)
-            raise
-        return self.commit(slot, cid)
-
     def evict(self, target_bytes: int) -> int:
         """Drop least recently used unpinned chunks until at most ``target_bytes`` are held; count them."""
         n = 0
