@@ -36,6 +36,10 @@ class TierCounters:
     timeouts: int = 0
     corrupt_chunks: int = 0
     read_races: int = 0
+    thread_errors: int = 0
+    dropped_retentions: int = 0
+    lock_failures: int = 0
+    undescribed_namespaces: int = 0
     chunks: int = 0
     bytes: int = 0
 
@@ -58,6 +62,10 @@ HELP = {
     "timeouts": "Reads abandoned after read_timeout_s",
     "corrupt_chunks": "Chunks rejected as corrupt, truncated, foreign or mismatched",
     "read_races": "Chunks that vanished between lookup and read (counted as misses)",
+    "thread_errors": "Exceptions raised by background work items (logged once per place; the thread went on)",
+    "dropped_retentions": "Session retentions not kept: over the bound of retained keys or queued retentions",
+    "lock_failures": "Times the pool's lock file could not be locked (the budget was kept without the lock)",
+    "undescribed_namespaces": "Namespaces (one per cache_salt) not described in the directories: over the bound",
     "chunks": "Chunks held by this tier as known to this process",
     "bytes": "Bytes held by this tier as known to this process",
 }

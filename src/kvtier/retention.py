@@ -6,43 +6,78 @@ full write queue). Chunks written later under a retained key are retained as the
 store's background writer calls ``Retention.landed`` after each chunk a tier stored. The tiers
 keep the retention themselves (a file's mtime, see ``tiers/files.py``); host DRAM and Redis
 do not retain.
+
+Bounded whatever clients ask: at most ``max_keys`` retained keys are remembered (expired ones
+are dropped first, then the oldest retained), and at most ``max_pending`` retentions wait for
+the thread; what does not fit is dropped and counted (``dropped_retentions``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
 
 from kvtier.keys import ChunkId, ChunkKey
+from kvtier.metrics import TierMetrics
+from kvtier.threads import Failures, ThreadInit, executor
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-PRUNE_AT = 1 << 16  # retained keys remembered before expired ones are dropped
+MAX_KEYS = 1 << 18  # retained keys remembered (about 100 B each)
+MAX_PENDING = 1024  # retentions of chunks already stored, waiting for the thread
+
+
+def check_until(until: object) -> float:
+    """``until`` as epoch seconds, or ValueError: a finite number that ``os.utime`` can set."""
+    if isinstance(until, bool) or not isinstance(until, (int, float)) or not math.isfinite(until) \
+            or not 0 <= until < 1 << 40:
+        raise ValueError(f"retain until: expected epoch seconds (a finite number), got {until!r}")
+    return float(until)
 
 
 class Retention:
     """Retained keys and the thread that retains chunks already stored. Thread-safe."""
 
-    def __init__(self) -> None:
-        self._until: dict[ChunkKey, float] = {}  # key -> until (epoch s): applied to chunks written later too
+    def __init__(self, metrics: TierMetrics | None = None, failures: Failures | None = None,
+                 init: ThreadInit | None = None, max_keys: int = MAX_KEYS, max_pending: int = MAX_PENDING) -> None:
+        self._until: dict[ChunkKey, float] = {}  # key -> until (epoch s), oldest retained first
         self._lock = threading.Lock()
-        self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-retain")
+        self._metrics = metrics or TierMetrics("store")
+        self._failures = failures or Failures(self._metrics)
+        self._max_keys, self._max_pending = max_keys, max_pending
+        self._pending = 0
+        self._thread = executor(1, "kvtier-retain", init)
 
     def retain(self, ids: Sequence[ChunkId], until: float, tiers: Sequence[Tier]) -> None:
         """Retain ``ids`` until ``until`` (a later time wins) in ``tiers`` now, and in any tier
-        that stores one of them later. Never waits for I/O."""
-        now = time.time()
+        that stores one of them later. Never waits for I/O. ValueError for a bad ``until``."""
+        until = check_until(until)
+        dropped = 0
         with self._lock:
-            if len(self._until) > PRUNE_AT:
-                self._until = {k: t for k, t in self._until.items() if t > now}
             for cid in ids:
-                self._until[cid.key] = max(until, self._until.get(cid.key, 0.0))
-        if tiers:
-            self._thread.submit(_retain_present, [cid.key for cid in ids], until, list(tiers))
+                previous = self._until.pop(cid.key, 0.0)  # re-inserted: the newest retention last
+                self._until[cid.key] = max(until, previous)
+            if len(self._until) > self._max_keys:
+                now = time.time()
+                self._until = {k: t for k, t in self._until.items() if t > now}
+                while len(self._until) > self._max_keys:
+                    del self._until[next(iter(self._until))]
+                    dropped += 1
+            queue = bool(tiers) and self._pending < self._max_pending
+            if queue:
+                self._pending += 1
+        if dropped:
+            self._metrics.add(dropped_retentions=dropped)
+        if not tiers:
+            return
+        if not queue:
+            self._metrics.add(dropped_retentions=len(ids))
+            return
+        self._thread.submit(self._retain_present, [cid.key for cid in ids], until, list(tiers))
 
     def landed(self, tier: Tier, key: ChunkKey) -> None:
         """``tier`` just stored (or already had) ``key``: retain it there if it is retained."""
@@ -59,11 +94,12 @@ class Retention:
         hangs exit."""
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-
-def _retain_present(keys: Sequence[ChunkKey], until: float, tiers: Sequence[Tier]) -> None:
-    for tier in tiers:
-        for key in keys:
-            try:
-                tier.retain(key, until)  # a no-op in tiers that do not retain (TierBase)
-            except Exception:  # best effort: a tier bug must not stop the others
-                log.exception("tier %s raised on retain", tier.name)
+    def _retain_present(self, keys: Sequence[ChunkKey], until: float, tiers: Sequence[Tier]) -> None:
+        try:
+            for tier in tiers:
+                for key in keys:
+                    # A no-op in tiers that do not retain (TierBase); a tier bug must not stop the others.
+                    self._failures.call(f"the {tier.name} tier's retain", tier.retain, key, until)
+        finally:
+            with self._lock:
+                self._pending -= 1

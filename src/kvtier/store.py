@@ -6,12 +6,15 @@ Contracts:
   and pool; it never waits for I/O (a full queue drops the write and counts it).
 * ``lookup`` returns the longest contiguous prefix of full chunks held in any tier; it does
   file-system metadata calls for the pool, never data reads.
-* ``load_into`` reads a prefix with up to ``io_threads`` reads in flight and hands each chunk to
-  the caller's sink as it arrives. A chunk that turns out missing, corrupt, unreadable
+* ``load_into`` reads a prefix with up to ``io_threads`` reads in flight per tier and hands each
+  chunk to the caller's sink as it arrives. A chunk that turns out missing, corrupt, unreadable
   or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
-  are never returned. A tier that timed out (a read, or a lookup of the pool) is skipped for
-  ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per cooldown.
-  Chunks read from a tier are promoted to host DRAM.
+  are never returned. Every read, a fallback to a lower tier included, runs on that tier's own
+  I/O threads under ``read_timeout_s``: reads stuck in a hung tier never hold the threads of
+  another, and never the caller's. The tier that timed out (a read, or a lookup of the pool) is
+  skipped for ``tier_cooldown_s`` (``tiers/guard.py``): a hung pool costs one timeout per
+  cooldown. Chunks read from a tier are promoted to host DRAM. An exception in a tier or the
+  sink ends the prefix too (recorded in ``thread_errors``), never the caller's.
 * ``get`` is ``load_into`` into one tensor, or ``KeyError`` if any chunk is gone;
   ``iter_chunks`` yields copies of the chunks ``load_into`` delivered, in order.
 * ``retain`` keeps chunks of a session in the disk tier and the pool until a time: they are
@@ -41,6 +44,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -52,7 +56,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvtier.config import StoreConfig, load_settings, parse_bytes
 from kvtier.errors import TierUnavailableError
-from kvtier.format import ChunkSpec
+from kvtier.format import PAYLOAD_OFFSET, ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
@@ -61,12 +65,16 @@ from kvtier.tiers.base import Chunk, Level, Status, Tier, aligned_buffer
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import HostCache, Lease
 from kvtier.tiers.locate import locate
+from kvtier.threads import Failures, ThreadInit, executor
 from kvtier.tiers.opening import open_tiers
 from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
+_GONE = "\0gone"  # a tier read's result: the chunk was not there (missing, corrupt, unreadable)
 STOP_POLL_S = 0.02  # how often a stoppable load_into checks its stop event while a read runs
+MAX_SPECS = 4096  # chunk specs kept, one per namespace (each cache_salt is one)
+MAX_DESCRIBED = 256  # namespaces a process describes in the disk and pool directories
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,10 @@ class _SinkGate:
         self._open = True
         self._active = 0
 
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
     def enter(self) -> bool:
         with self._cond:
             if self._open:
@@ -193,12 +205,15 @@ class TieredStore:
 
     def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
                  host: HostCache | None = None,
-                 unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> None:
+                 unavailable: Callable[[str, TierUnavailableError], None] | None = None,
+                 thread_init: ThreadInit | None = None) -> None:
         """Open host DRAM and the tiers ``config`` names; or, when ``tiers`` is given, use
         ``tiers`` (ordered fastest first) and ``host`` (None: no host DRAM) instead.
 
-        Raises TierUnavailableError when a directory cannot be used (unless ``unavailable``
-        is given: see ``tiers.opening.open_tiers``), ValueError on bad config.
+        ``thread_init`` runs first in every thread the store starts (an engine's
+        ``torch.cuda.set_device``: ``threads.py``). Raises TierUnavailableError when a directory
+        cannot be used (unless ``unavailable`` is given: see ``tiers.opening.open_tiers``),
+        ValueError on bad config.
         """
         self.config = config
         self.layout: KVLayout = config.layout
@@ -210,15 +225,25 @@ class TieredStore:
         self.host: HostCache | None = host
         self.tiers: list[Tier] = list(tiers) if tiers is not None else open_tiers(config, unavailable)
         self.store_metrics = TierMetrics("store")
-        self._specs: dict[bytes, ChunkSpec] = {}
+        self._failures = Failures(self.store_metrics)
+        self._specs: OrderedDict[bytes, ChunkSpec] = OrderedDict()  # by namespace digest, LRU
+        self._described: set[bytes] = set()
         self._spec_lock = threading.Lock()
         self._spec(self.namespace)  # describes the namespace in the disk and pool directories
         self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
-        self._retention = Retention()
+        self._retention = Retention(self.store_metrics, self._failures, thread_init)
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
-                                        after_store=self._retention.landed)
-        self._io = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvtier-io")
-        self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s)
+                                        after_store=self._retention.landed, failures=self._failures,
+                                        init=thread_init)
+        # io_threads per tier: reads stuck in a hung tier (a read cannot be cancelled) hold only
+        # that tier's threads, never the ones the other tiers' reads need.
+        # io_threads per tier, started on first use: reads stuck in a hung tier (a read cannot be
+        # cancelled) hold only that tier's threads, never the ones other tiers' reads need.
+        self._io: dict[str, cf.ThreadPoolExecutor] = {}
+        self._io_lock = threading.Lock()
+        self._thread_init = thread_init
+        self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s, init=thread_init,
+                                failures=self._failures)
         self._closed = False
         self.registry: CollectorRegistry = new_registry(
             {"store": self.store_metrics, **{t.name: t.metrics for t in self.levels}})
@@ -252,18 +277,35 @@ class TieredStore:
 
     def _spec(self, namespace: Namespace) -> ChunkSpec:
         """The ``ChunkSpec`` of chunks in ``namespace``. The first time a namespace is seen, every
-        tier records what it is (the disk and pool directories: a small JSON file each)."""
+        tier records what it is (the disk and pool directories: a small JSON file each).
+
+        Bounded whatever clients send (every ``cache_salt`` is a namespace): at most
+        ``MAX_SPECS`` specs are kept (least recently used dropped; one is rebuilt in
+        microseconds), and at most ``MAX_DESCRIBED`` namespaces are described per process (the
+        rest are counted in ``undescribed_namespaces``; their chunks are served all the same).
+        """
         digest = namespace.digest
         with self._spec_lock:
             spec = self._specs.get(digest)
-            if spec is None:
-                shape = self.layout.shape(self.chunk_tokens)
-                spec = ChunkSpec(digest, DTYPE_CODES[self.layout.dtype], shape,
-                                 self.chunk_tokens * self.layout.bytes_per_token)
-                self._specs[digest] = spec
-                for tier in self.tiers:
-                    tier.describe_namespace(digest, namespace.describe())
-            return spec
+            if spec is not None:
+                self._specs.move_to_end(digest)
+                return spec
+            shape = self.layout.shape(self.chunk_tokens)
+            spec = ChunkSpec(digest, DTYPE_CODES[self.layout.dtype], shape,
+                             self.chunk_tokens * self.layout.bytes_per_token)
+            self._specs[digest] = spec
+            if len(self._specs) > MAX_SPECS:
+                self._specs.popitem(last=False)
+            describe = digest not in self._described and len(self._described) < MAX_DESCRIBED
+            if describe:
+                self._described.add(digest)
+        if describe:
+            for tier in self.tiers:
+                self._failures.call(f"the {tier.name} tier's describe_namespace", tier.describe_namespace,
+                                    digest, namespace.describe())
+        elif digest not in self._described:
+            self.store_metrics.add(undescribed_namespaces=1)
+        return spec
 
     def _namespace(self, tenant_salt: str | None) -> Namespace:
         return self.namespace if tenant_salt is None else self.namespace.with_salt(tenant_salt)
@@ -354,21 +396,19 @@ class TieredStore:
         spec = self._spec(self._namespace(tenant_salt))
         located = self._locate(ids)
         gate = _SinkGate()
-        # Host DRAM chunks are lent in place, on this thread; tier reads run on the I/O threads.
-        futures = [None if tier is self.host
-                   else self._io.submit(self._deliver, i, ids[i], tier, spec, sink, promote, gate)
-                   for i, tier in enumerate(located)]
+        # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
+        # I/O threads, all submitted at once so that they overlap.
+        futures: list[cf.Future[str | None] | None] = [
+            None if tier is self.host else self._submit(tier, i, ids[i], spec, sink, promote, gate)
+            for i, tier in enumerate(located)]
         tiers: list[str] = []
         try:
-            for i, (tier, fut) in enumerate(zip(located, futures, strict=True)):
-                if fut is None:
-                    name = self._deliver(i, ids[i], tier, spec, sink)
-                else:
-                    try:
-                        name = self._await(fut, stop)
-                    except cf.TimeoutError:
-                        self._guard.trip(tier, f"read of chunk {i}")
-                        break
+            for i, tier in enumerate(located):
+                try:
+                    name = self._next(i, ids[i], tier, futures, spec, sink, promote, gate, stop)
+                except Exception:  # a tier's or the sink's bug: the prefix ends here, the caller goes on
+                    self._failures.record("a chunk's delivery")
+                    break
                 if name is None or (stop is not None and stop.is_set()):
                     break
                 tiers.append(name)
@@ -378,6 +418,60 @@ class TieredStore:
                     fut.cancel()
             gate.close()
         return PrefixLoad(len(tiers), tuple(tiers))
+
+    def _submit(self, tier: Level, index: int, cid: ChunkId, spec: ChunkSpec, sink: Callable[[int, torch.Tensor], None],
+                promote: bool, gate: _SinkGate) -> cf.Future[str | None]:
+        pool = self._io.get(tier.name)
+        if pool is None:
+            with self._io_lock:
+                pool = self._io.get(tier.name)
+                if pool is None:
+                    pool = self._io[tier.name] = executor(self.config.io_threads, f"kvtier-io-{tier.name}",
+                                                          self._thread_init)
+        return pool.submit(self._deliver, index, cid, tier, spec, sink, promote, gate)
+
+    def _next(self, i: int, cid: ChunkId, located: Level, futures: list[cf.Future[str | None] | None],
+              spec: ChunkSpec, sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate,
+              stop: threading.Event | None) -> str | None:
+        """Chunk ``i`` of a ``load_into``, handed to ``sink``: the name of the tier it came from, or
+        None (not delivered: the prefix ends here).
+
+        Where the lookup found it first; if it is gone from there (evicted, corrupt, an I/O
+        error), from each usable tier below in turn. Every tier read, fallbacks included, runs on
+        that tier's I/O threads under ``read_timeout_s``, and a timeout trips the tier that did
+        not answer.
+        """
+        if located is self.host:
+            assert self.host is not None
+            lease = self.host.acquire(cid)
+            if lease is not None:
+                try:
+                    sink(i, lease.chunk.data)
+                finally:
+                    lease.release()
+                return self.host.name
+            below = 0  # evicted since the lookup
+        else:
+            below = self.tiers.index(located)  # type: ignore[arg-type]
+        tier: Level = located
+        fut = futures[i]
+        while True:
+            if fut is None:
+                usable = [t for t in self.tiers[below:] if self._guard.usable(t)]
+                if not usable:
+                    return None
+                tier = usable[0]
+                below = self.tiers.index(tier)
+                fut = futures[i] = self._submit(tier, i, cid, spec, sink, promote, gate)
+            try:
+                name = self._await(fut, stop)
+            except cf.TimeoutError:
+                self._guard.trip(tier, f"read of chunk {i}")
+                return None
+            if name is not _GONE:
+                return name
+            below += 1
+            fut = None
 
     def _await(self, fut: cf.Future[str | None], stop: threading.Event | None) -> str | None:
         """``fut``'s result within ``read_timeout_s`` (else TimeoutError); None once ``stop`` is set."""
@@ -392,20 +486,22 @@ class TieredStore:
                     raise
         return None
 
-    def _deliver(self, index: int, cid: ChunkId, first: Level, spec: ChunkSpec,
-                 sink: Callable[[int, torch.Tensor], None], promote: bool = True,
-                 gate: _SinkGate | None = None) -> str | None:
-        got = self._load(cid, first, spec, promote)
+    def _deliver(self, index: int, cid: ChunkId, tier: Tier, spec: ChunkSpec,
+                 sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate) -> str | None:
+        """On ``tier``'s I/O thread: read ``cid`` there and hand it to ``sink``. Returns the tier's
+        name, ``_GONE`` when the tier did not deliver it, or None once the load has returned."""
+        if not gate.is_open:
+            return None  # the load returned (or gave up on this chunk) before the read started
+        got = self._read(cid, tier, spec, promote)
         if got is None:
-            return None
+            return _GONE
         try:
-            if gate is not None and not gate.enter():
+            if not gate.enter():
                 return None  # the load returned without this chunk: its buffers are not ours
             try:
                 sink(index, got.lease.chunk.data)
             finally:
-                if gate is not None:
-                    gate.leave()
+                gate.leave()
         finally:
             got.lease.release()
         return got.tier
@@ -426,42 +522,29 @@ class TieredStore:
         for i, tier in enumerate(loaded.chunk_tiers):
             yield LoadedChunk(i, tier, copies[i])
 
-    def _load(self, cid: ChunkId, first: Level, spec: ChunkSpec, promote: bool = True) -> _Loaded | None:
-        """Read ``cid`` from ``first`` (where the lookup found it), falling back to the tiers below.
-
-        A chunk in host DRAM is lent where it lies (pinned); if it was evicted since the lookup,
-        every tier is tried.
-        """
-        if first is self.host:
-            lease = self.host.acquire(cid)
-            if lease is not None:
-                return _Loaded(self.host.name, lease)
-            start = 0
-        else:
-            start = next(i for i, tier in enumerate(self.tiers) if tier is first)
-        for tier in self.tiers[start:]:
-            if not self._guard.usable(tier):
-                continue  # tripped by a timeout (possibly of another read of this load)
-            got = self._read(cid, tier, spec, promote)
-            if got is not None:
-                return got
-        return None
-
     def _read(self, cid: ChunkId, tier: Tier, spec: ChunkSpec, promote: bool) -> _Loaded | None:
         """One tier's read, straight into a host DRAM slot (promotion without a copy); with no
         host DRAM, no free slot or ``promote=False``, into a recycled buffer."""
         host = self.host if promote else None
         slot = host.reserve() if host is not None else None
         into = host.slot_buffer(slot) if host is not None and slot is not None else self._buffers.take()
-        result = tier.load(cid, spec, into)
+
+        def give_back() -> None:
+            if host is not None and slot is not None:
+                host.abandon(slot)
+            else:
+                self._buffers.give(into)
+
+        try:
+            result = tier.load(cid, spec, into)
+        except BaseException:
+            give_back()
+            raise
         if result.ok and result.chunk is not None:
             if host is not None and slot is not None:
                 return _Loaded(tier.name, host.commit(slot, cid))
             return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)))
-        if host is not None and slot is not None:
-            host.abandon(slot)
-        else:
-            self._buffers.give(into)
+        give_back()
         if result.status is not Status.MISS:
             log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name, result.status.value, result.error)
         return None
@@ -529,11 +612,18 @@ class TieredStore:
                 return PutResult(1, 0, 0 if self._write_down(host.commit(slot, cid), spec, lower) else 1)
 
             return PendingPut(buffer, commit, partial(host.abandon, slot))
-        # No host tier, or every slot pinned by in-flight work: a buffer of its own.
-        buffer = torch.empty(self.layout.shape(self.chunk_tokens), dtype=self.layout.dtype)
-        return PendingPut(buffer, lambda: PutResult(1, 0, 0 if self._write_down(Lease(Chunk(cid, buffer)), spec,
-                                                                                  lower) else 1),
-                          lambda: None)
+        # No host tier, or every slot pinned by in-flight work: a recycled read buffer (page-locked
+        # like the slab once ``pin_host_memory`` ran, so an accelerator's copy into it is
+        # asynchronous too), back in the pool once written down or abandoned.
+        raw = self._buffers.take()
+        release = partial(self._buffers.give, raw)
+        buffer = torch.from_numpy(raw[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes]).view(
+            self.layout.dtype).view(self.layout.shape(self.chunk_tokens))
+
+        def commit_own() -> PutResult:
+            return PutResult(1, 0, 0 if self._write_down(Lease(Chunk(cid, buffer), release), spec, lower) else 1)
+
+        return PendingPut(buffer, commit_own, release)
 
     def _put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None],
                    spec: ChunkSpec, skip_tiers: Collection[str] = ()) -> PutResult:
@@ -600,7 +690,10 @@ class TieredStore:
         self._writer.close()
         # Reads still running are abandoned, not awaited: their callers gave up on them after
         # read_timeout_s, and a hung filesystem must not hang shutdown (and the metrics after it).
-        self._io.shutdown(wait=False, cancel_futures=True)
+        with self._io_lock:
+            pools = list(self._io.values())
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         self._retention.close()  # best effort, like a read: never hang exit
         self._guard.close()
         if self.host is not None:

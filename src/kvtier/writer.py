@@ -3,18 +3,20 @@
 ``submit`` never blocks: when the queue is full the write is dropped and counted against
 every tier it was meant for. A queued item keeps its chunk pinned (``on_done`` releases it
 after the last tier), so a chunk leaving host DRAM before it reached disk is still written.
+No exception in an item (a tier's, the ``after_store`` hook's, ``on_done``'s) ends a writer
+thread: each is recorded (``threads.Failures``) and the next item is written.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkKey
+from kvtier.threads import Failures, ThreadInit, thread
 from kvtier.tiers.base import Chunk, Status, Tier
 
 log = logging.getLogger(__name__)
@@ -33,11 +35,12 @@ class BackgroundWriter:
     (the store applies a session's retention there)."""
 
     def __init__(self, max_queued: int, num_threads: int = 1,
-                 after_store: Callable[[Tier, ChunkKey], None] | None = None) -> None:
+                 after_store: Callable[[Tier, ChunkKey], None] | None = None,
+                 failures: Failures | None = None, init: ThreadInit | None = None) -> None:
         self._after_store = after_store
+        self._failures = failures or Failures()
         self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
-        self._threads = [threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
-                         for i in range(num_threads)]
+        self._threads = [thread(self._run, f"kvtier-writer-{i}", init) for i in range(num_threads)]
         self._closed = False
         for t in self._threads:
             t.start()
@@ -79,17 +82,21 @@ class BackgroundWriter:
                 if item is None:
                     return
                 for tier in item.tiers:
-                    try:
-                        result = tier.store(item.chunk, item.spec)
-                    except Exception:  # a tier bug must not kill the writer thread
-                        log.exception("tier %s raised on store", tier.name)
-                        tier.metrics.add(failed_writes=1)
-                        continue
-                    if result.status is Status.FAILED:
-                        log.debug("write to %s failed: %s", tier.name, result.error)
-                    elif self._after_store is not None:
-                        self._after_store(tier, item.chunk.id.key)
+                    self._write(item, tier)
             finally:
                 if item is not None and item.on_done is not None:
-                    item.on_done()
+                    self._failures.call("the writer's release of a written chunk", item.on_done)
                 self._queue.task_done()
+
+    def _write(self, item: _Write, tier: Tier) -> None:
+        try:
+            result = tier.store(item.chunk, item.spec)
+        except Exception:  # a tier bug must not kill the writer thread
+            tier.metrics.add(failed_writes=1)
+            self._failures.record(f"the {tier.name} tier's store")
+            return
+        if result.status is Status.FAILED:
+            log.debug("write to %s failed: %s", tier.name, result.error)
+        elif self._after_store is not None:
+            self._failures.call("the writer's after-store hook (retention)", self._after_store, tier,
+                                item.chunk.id.key)

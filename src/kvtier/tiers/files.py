@@ -344,13 +344,14 @@ class ChunkFiles:
 
     def retain(self, key: ChunkKey, until: float) -> bool:
         """Set a chunk's mtime (the LRU clock) to ``until`` unless it is already later; False when
-        the chunk is gone or its times cannot be set (not its owner)."""
+        the chunk is gone or its times cannot be set (not its owner, or a time the filesystem
+        cannot hold)."""
         path = self._path_str(key)
         try:
             if os.stat(path, follow_symlinks=False).st_mtime < until:
                 os.utime(path, (until, until), follow_symlinks=False)
             return True
-        except OSError:
+        except (OSError, OverflowError, ValueError):
             return False
 
     def touch(self, key: ChunkKey, older_than_s: float) -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from kvtier.keys import ChunkId
+from kvtier.threads import Failures, ThreadInit, executor
 from kvtier.tiers.base import Level
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,12 @@ log = logging.getLogger(__name__)
 class TierGuard:
     """Per-store state: which tiers are tripped, and the threads that time lookups."""
 
-    def __init__(self, timeout_s: float, cooldown_s: float, lookup_threads: int = 2) -> None:
+    def __init__(self, timeout_s: float, cooldown_s: float, lookup_threads: int = 2, *,
+                 init: ThreadInit | None = None, failures: Failures | None = None) -> None:
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
+        self._init = init
+        self._failures = failures or Failures()
         self._until: dict[str, float] = {}
         self._lock = threading.Lock()
         self._lookup_threads = lookup_threads
@@ -52,20 +56,25 @@ class TierGuard:
                         self.timeout_s, self.cooldown_s)
 
     def lookup(self, tier: Level, ids: Sequence[ChunkId]) -> int:
-        """``tier.lookup(ids)``, bounded by the timeout for tiers that may hang; 0 if tripped."""
+        """``tier.lookup(ids)``, bounded by the timeout for tiers that may hang; 0 if tripped, or
+        if the tier raised (a tier bug is a miss, recorded, never the caller's exception)."""
         if not self.usable(tier):
             return 0
-        if not tier.may_hang:
-            return tier.lookup(ids)
-        if self._pool is None:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = cf.ThreadPoolExecutor(self._lookup_threads, thread_name_prefix="kvtier-lookup")
-        future = self._pool.submit(tier.lookup, ids)
         try:
-            return future.result(timeout=self.timeout_s)
-        except cf.TimeoutError:
-            self.trip(tier, "lookup")
+            if not tier.may_hang:
+                return int(tier.lookup(ids))
+            if self._pool is None:
+                with self._lock:
+                    if self._pool is None:
+                        self._pool = executor(self._lookup_threads, "kvtier-lookup", self._init)
+            future = self._pool.submit(tier.lookup, ids)
+            try:
+                return int(future.result(timeout=self.timeout_s))
+            except cf.TimeoutError:
+                self.trip(tier, "lookup")
+                return 0
+        except Exception:
+            self._failures.record(f"the {tier.name} tier's lookup")
             return 0
 
     def close(self) -> None:

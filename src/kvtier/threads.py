@@ -1,0 +1,85 @@
+"""The background threads kvtier starts, and what they do with a work item that raises.
+
+Every thread kvtier starts (I/O, writer, retention, lookup, loader threads) is made here, so
+that each one
+
+* runs the process's ``thread_init`` first: on a GPU, the engine's device (``torch.cuda.
+  set_device``), or a new thread would create a CUDA context on GPU 0 whatever rank it serves;
+* survives any exception in its work item: ``Failures.record`` logs the first one of each
+  place with its traceback (later ones at debug level, so a hostile input repeated a million
+  times cannot flood the log) and counts every one in the store's ``thread_errors``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.metrics import TierMetrics
+
+log = logging.getLogger(__name__)
+
+ThreadInit = Callable[[], None]
+
+
+class Failures:
+    """Exceptions raised by background work items: counted, the first of each place logged."""
+
+    def __init__(self, metrics: TierMetrics | None = None) -> None:
+        self.metrics = metrics
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def record(self, where: str) -> None:
+        """Call from an ``except`` block: count the exception, log it if ``where`` is new."""
+        if self.metrics is not None:
+            self.metrics.add(thread_errors=1)
+        with self._lock:
+            first = where not in self._logged
+            self._logged.add(where)
+        if first:
+            log.exception("kvtier: %s raised (the thread goes on; later errors here are logged at debug "
+                          "level and counted in kvtier_thread_errors_total)", where)
+        else:
+            log.debug("kvtier: %s raised again", where, exc_info=True)
+
+    def call(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, or None after recording what it raised."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.record(where)
+            return None
+
+
+def _initializer(init: ThreadInit | None) -> Callable[[], None] | None:
+    if init is None:
+        return None
+
+    def run() -> None:
+        try:
+            init()
+        except Exception:  # a thread that cannot set its device still serves (on the default one)
+            log.exception("kvtier: thread initializer failed in %s", threading.current_thread().name)
+
+    return run
+
+
+def executor(workers: int, prefix: str, init: ThreadInit | None = None) -> cf.ThreadPoolExecutor:
+    """A thread pool whose threads are named ``<prefix>_N`` and run ``init`` first."""
+    return cf.ThreadPoolExecutor(workers, thread_name_prefix=prefix, initializer=_initializer(init))
+
+
+def thread(target: Callable[[], None], name: str, init: ThreadInit | None = None) -> threading.Thread:
+    """A daemon thread (not started) that runs ``init`` and then ``target``."""
+    first = _initializer(init)
+
+    def run() -> None:
+        if first is not None:
+            first()
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
