@@ -379,3 +379,131 @@ def test_every_eviction_is_logged_for_the_other_instances(open_pool, tiny, pool_
     assert len(evicted) == 3 and set(evicted) < {ch.id.key for ch in chunks}
     assert reader.read_evictions() == []
     assert [added for added, _ in writer.journal.drain()] == [False]  # its own eviction, not gc's
+
+
+# -- hostile metadata files and a filesystem that cannot lock (docs/reliability.md) -----------
+
+def _within(fn, seconds: float):
+    """``fn()``'s result if it returns within ``seconds``; AssertionError if it blocks."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} blocked for over {seconds} s"
+    return out[0] if out else None
+
+
+def test_a_fifo_planted_as_usage_never_blocks_sync(open_pool, tiny, pool_dir):
+    """Before: sync() opened .usage for reading and blocked on the FIFO forever, holding the
+    fleet-wide lock, so every instance's writer hung behind it."""
+    pool = open_pool(capacity_bytes=3 * FILE)
+    os.mkfifo(pool_dir / ".usage")
+    for ch in tiny.chunks(5):
+        pool.store(ch, tiny.spec())
+    total = _within(pool.sync, 5.0)
+    assert total <= 3 * FILE  # recounted and evicted as if .usage were missing
+    assert _bytes_on_disk(pool_dir) == total
+    assert not (pool_dir / ".usage").is_fifo()  # replaced by a real usage file
+
+
+def test_a_symlink_planted_as_the_eviction_log_is_never_read(open_pool, tiny, pool_dir):
+    """Before: .evicted -> /dev/zero was read without limit (MemoryError) on the engine thread."""
+    reader = open_pool()
+    reader.read_evictions()
+    (pool_dir / ".evicted").symlink_to("/dev/zero")
+    assert _within(reader.read_evictions, 5.0) == []
+    writer = open_pool()
+    for ch in tiny.chunks(2):
+        writer.store(ch, tiny.spec())
+    writer.evict(0)  # the link is replaced by a real log, /dev/zero untouched
+    assert not (pool_dir / ".evicted").is_symlink()
+    assert len(reader.read_evictions()) == 2
+
+
+def test_a_huge_eviction_log_is_read_in_bounded_pieces(open_pool, pool_dir):
+    from kvtier.tiers.pool import EVICTION_READ_MAX_BYTES
+
+    reader = open_pool()
+    reader.read_evictions()
+    line = b"ab" * 32 + b"\n"
+    (pool_dir / ".evicted").write_bytes(line * (3 * EVICTION_READ_MAX_BYTES // len(line)))
+    first = reader.read_evictions()  # a new inode: read from its start, at most one piece
+    assert 0 < len(first) <= EVICTION_READ_MAX_BYTES // len(line)
+    rest = reader.read_evictions() + reader.read_evictions() + reader.read_evictions()
+    assert len(first) + len(rest) == 3 * EVICTION_READ_MAX_BYTES // len(line)
+
+
+def test_a_fifo_planted_as_the_eviction_log_never_blocks_an_eviction(open_pool, tiny, pool_dir):
+    pool = open_pool()
+    for ch in tiny.chunks(3):
+        pool.store(ch, tiny.spec())
+    os.mkfifo(pool_dir / ".evicted")
+    assert _within(lambda: pool.evict(0), 5.0) == 3
+
+
+@pytest.mark.parametrize("usage", [{"bytes": -10**18, "scanned_at": time.time()},
+                                   {"bytes": 0, "scanned_at": 1e30},
+                                   {"bytes": 0, "scanned_at": float("nan")},
+                                   {"bytes": "x" * 100_000, "scanned_at": 0}])
+def test_nonsense_in_usage_means_a_recount(open_pool, tiny, pool_dir, usage):
+    pool = open_pool(capacity_bytes=2 * FILE)
+    (pool_dir / ".usage").write_text(json.dumps(usage))  # a neighbour's, before we write
+    for ch in tiny.chunks(4):
+        pool.store(ch, tiny.spec())
+    assert pool.sync() <= 2 * FILE
+    assert _bytes_on_disk(pool_dir) <= 2 * FILE
+
+
+def test_a_filesystem_that_cannot_lock_still_keeps_the_budget_and_no_bytes_are_lost(open_pool, tiny, pool_dir,
+                                                                                   monkeypatch, caplog):
+    """Before: sync() zeroed its pending bytes before taking the lock; a failing flock lost them
+    and the pool never evicted."""
+    import errno as errno_mod
+    import fcntl
+
+    from kvtier.tiers import pool as pool_mod
+
+    def no_locks(fd, op):  # type: ignore[no-untyped-def]
+        raise OSError(errno_mod.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(pool_mod.fcntl, "flock", no_locks)
+    pool = open_pool(capacity_bytes=3 * FILE, sync_bytes=1 << 40)
+    assert not pool.lock_works
+    assert "cannot lock" in caplog.text
+    for ch in tiny.chunks(6):
+        pool.store(ch, tiny.spec())  # over budget: each store syncs, unlocked
+    assert _bytes_on_disk(pool_dir) <= 3 * FILE
+    assert pool.metrics.snapshot().lock_failures >= 2
+    monkeypatch.setattr(pool_mod.fcntl, "flock", fcntl.flock)
+
+
+def test_a_failed_sync_keeps_its_pending_bytes(open_pool, tiny, monkeypatch):
+    pool = open_pool(capacity_bytes=1 << 40, sync_bytes=1 << 40)
+    for ch in tiny.chunks(3):
+        pool.store(ch, tiny.spec())
+    assert pool._pending == 3 * FILE
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pool, "_write_usage", full)
+    with pytest.raises(OSError):
+        pool.sync()
+    assert pool._pending == 3 * FILE  # kept for the next sync
+    monkeypatch.undo()
+    assert pool.sync() == 3 * FILE
+
+
+def test_a_lock_file_replaced_by_a_symlink_or_fifo_is_not_used(open_pool, tiny, pool_dir, tmp_path):
+    pool = open_pool(capacity_bytes=2 * FILE)
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    (pool_dir / ".lock").unlink()
+    (pool_dir / ".lock").symlink_to(target)
+    for ch in tiny.chunks(4):
+        pool.store(ch, tiny.spec())
+    assert _within(pool.sync, 5.0) <= 2 * FILE
+    assert pool.metrics.snapshot().lock_failures >= 1
+    (pool_dir / ".lock").unlink()
+    os.mkfifo(pool_dir / ".lock")
+    assert _within(pool.sync, 5.0) <= 2 * FILE

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.fileio import TMP_SUFFIX, write_atomic
+from kvtier.fileio import TMP_SUFFIX, read_small, write_atomic
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
 from kvtier.keys import DIGEST_BYTES, ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
@@ -43,6 +43,7 @@ from kvtier.tiers.pagecache import cached_bytes
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kvt"
+NAMESPACE_MAX_BYTES = 64 << 10  # a namespace description is a few hundred bytes
 MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
 _NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
@@ -325,9 +326,11 @@ class ChunkFiles:
         for entry in entries:
             if entry.name.endswith(".json"):
                 try:
-                    out[entry.name[:-5]] = json.loads(Path(entry.path).read_text())
+                    info = json.loads(read_small(entry.path, NAMESPACE_MAX_BYTES)[0])
                 except (OSError, ValueError):
                     continue
+                if isinstance(info, dict):
+                    out[entry.name[:-5]] = info
         return out
 
     # -- maintenance ------------------------------------------------------------------------

@@ -24,13 +24,24 @@ times needs its owner: in a group-shared pool a chunk another user wrote keeps i
 
 Every eviction (by any instance, or gc) appends the chunk's key to ``ROOT/.evicted``, so that
 each instance can tell routers that a chunk it announced is gone (``read_evictions``).
+
+The pool's own files (``.lock``, ``.usage``, ``.evicted``) are as untrusted as its chunks in a
+group-shared pool: each is opened without following a symlink or blocking on a FIFO, must be a
+regular file, and is read only up to a fixed size (``fileio.read_small``). A filesystem that
+cannot ``flock`` (ENOLCK on an NFS mount without lockd, a FUSE daemon without locks), or a lock
+file a neighbour replaced, does not stop the budget: it is kept without the lock (concurrent
+evictors are harmless; the overshoot bound may then be exceeded), warned about once and
+counted in ``lock_failures``; and the bytes a failed sync was adding are kept for the next.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -39,15 +50,20 @@ from contextlib import contextmanager
 import numpy as np
 
 from kvtier.errors import TierUnavailableError
+from kvtier.fileio import open_regular, read_small
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase
 from kvtier.tiers.files import ChunkFiles
 
+log = logging.getLogger(__name__)
+
 TOUCH_INTERVAL_S = 60.0
 EVICTION_LOG = ".evicted"
 EVICTION_LOG_MAX_BYTES = 8 << 20  # then it starts over (a reader behind by that much misses lines)
+EVICTION_READ_MAX_BYTES = 1 << 20  # read per read_evictions call: a longer backlog is read over several
+USAGE_MAX_BYTES = 4096
 LOW_WATERMARK = 0.9
 RESCAN_INTERVAL_S = 600.0
 
@@ -84,6 +100,8 @@ class PoolTier(TierBase):
         except OSError as exc:
             raise TierUnavailableError(f"cannot use {self.files.root / '.lock'} as the pool's lock file: "
                                        f"{exc.strerror or exc}") from exc
+        self._lock_warned = False
+        self.lock_works = self._probe_lock()
         if sync_bytes is None:
             sync_bytes = 64 << 20 if capacity_bytes is None else max(1 << 20, min(256 << 20, capacity_bytes // 32))
         self.sync_bytes = sync_bytes
@@ -144,18 +162,16 @@ class PoolTier(TierBase):
         at the log's end."""
         path = self.files.root / EVICTION_LOG
         try:
-            with open(path, "rb") as fh:
-                st = os.fstat(fh.fileno())
-                if self._log_pos is None or self._log_pos[0] != st.st_ino or self._log_pos[1] > st.st_size:
-                    start = st.st_size if self._log_pos is None else 0  # new: from the end; rotated: all
-                else:
-                    start = self._log_pos[1]
-                fh.seek(start)
-                data = fh.read()
+            st = os.stat(path, follow_symlinks=False)
+            if self._log_pos is None or self._log_pos[0] != st.st_ino or self._log_pos[1] > st.st_size:
+                start = st.st_size if self._log_pos is None else 0  # new: from the end; rotated: all
+            else:
+                start = self._log_pos[1]
+            data, st = read_small(path, EVICTION_READ_MAX_BYTES, start)
         except FileNotFoundError:
             self._log_pos = (0, 0)
             return []
-        except OSError:
+        except OSError:  # a symlink, FIFO or device planted there: never followed, never waited on
             return []
         end = data.rfind(b"\n") + 1  # a line being appended is read next time
         self._log_pos = (st.st_ino, start + end)
@@ -179,6 +195,18 @@ class PoolTier(TierBase):
         """Add our published bytes to the shared total; evict if over budget. Returns total."""
         with self._lock:
             pending, self._pending = self._pending, 0
+        try:
+            total = self._sync_locked(pending)
+        except BaseException:
+            with self._lock:
+                self._pending += pending  # not lost: the next sync adds them
+            raise
+        with self._lock:
+            self._known_total = total
+        self.metrics.set(bytes=total)
+        return total
+
+    def _sync_locked(self, pending: int) -> int:
         with self._shared_lock():
             now = time.time()
             usage = self._read_usage()
@@ -191,9 +219,6 @@ class PoolTier(TierBase):
                 total, _ = self._evict_locked(int(self.capacity_bytes * LOW_WATERMARK))
                 scanned_at = now
             self._write_usage(total, scanned_at)
-        with self._lock:
-            self._known_total = total
-        self.metrics.set(bytes=total)
         return total
 
     def _evict_locked(self, target_bytes: int) -> tuple[int, int]:
@@ -222,14 +247,19 @@ class PoolTier(TierBase):
         """Append to ROOT/.evicted (under the pool lock); start it over past its size limit."""
         path = self.files.root / EVICTION_LOG
         try:
-            if path.stat().st_size > EVICTION_LOG_MAX_BYTES:
+            st = os.lstat(path)
+            if st.st_size > EVICTION_LOG_MAX_BYTES or not stat.S_ISREG(st.st_mode):
                 os.unlink(path)  # readers notice the new inode and read the new file from its start
         except FileNotFoundError:
             pass
+        except OSError:
+            return
         try:
-            fd = self.files.create_file(path, os.O_WRONLY | os.O_APPEND)
+            # O_NONBLOCK: a FIFO planted between the lstat and the open fails (ENXIO), never blocks.
+            fd = self.files.create_file(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
             try:
-                os.write(fd, b"".join(k.hex().encode() + b"\n" for k in keys))
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.write(fd, b"".join(k.hex().encode() + b"\n" for k in keys))
             finally:
                 os.close(fd)
         except OSError:
@@ -238,12 +268,52 @@ class PoolTier(TierBase):
     def _scan_total(self) -> int:
         return sum(f.size for f in self.files.scan())
 
+    def _open_lock(self) -> int:
+        # A symlink or FIFO swapped in for .lock is refused (OSError), never followed or waited on.
+        return open_regular(self.files.root / ".lock", os.O_RDWR | os.O_CREAT, self.files.file_mode)
+
+    def _probe_lock(self) -> bool:
+        """Whether ``flock`` works on the lock file (a held lock counts as working)."""
+        try:
+            fd = self._open_lock()
+        except OSError as exc:
+            self._lock_failed(exc)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+        except BlockingIOError:
+            return True  # another instance holds it right now
+        except OSError as exc:
+            self._lock_failed(exc)
+            return False
+        finally:
+            os.close(fd)
+
+    def _lock_failed(self, exc: OSError) -> None:
+        self.metrics.add(lock_failures=1)
+        if not self._lock_warned:
+            self._lock_warned = True
+            log.warning("kvtier: cannot lock %s (%s): the pool's byte budget is kept without its lock, so "
+                        "instances evicting at once may overshoot it; use a filesystem with flock (NFS: run "
+                        "lockd) or check who replaced the lock file. Counted in kvtier_lock_failures_total.",
+                        self.files.root / ".lock", errno.errorcode.get(exc.errno or 0, exc))
+
     @contextmanager
     def _shared_lock(self) -> Iterator[None]:
-        # O_NOFOLLOW: a symlink swapped in for .lock after open is refused (OSError), not followed.
-        fd = os.open(self.files.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, self.files.file_mode)
+        """The fleet-wide lock; without it (a failed open or flock) the body runs unlocked."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = self._open_lock()
+        except OSError as exc:
+            self._lock_failed(exc)
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                self._lock_failed(exc)
             yield
         finally:
             os.close(fd)  # closing releases the flock
@@ -251,10 +321,15 @@ class PoolTier(TierBase):
     def _read_usage(self) -> tuple[int, float] | None:
         """(bytes, time of the last exact scan), or None when missing or unreadable."""
         try:
-            data = json.loads((self.files.root / ".usage").read_text())
-            return int(data["bytes"]), float(data["scanned_at"])
-        except (OSError, ValueError, KeyError, TypeError):
+            data = json.loads(read_small(self.files.root / ".usage", USAGE_MAX_BYTES)[0])
+            total, scanned_at = int(data["bytes"]), float(data["scanned_at"])
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
             return None
+        # A neighbour's nonsense (negative bytes, a scan "in the future" that would put off every
+        # recount) means "unknown": the caller recounts.
+        if total < 0 or not scanned_at <= time.time() + 60:  # (NaN fails the comparison too)
+            return None
+        return total, scanned_at
 
     def _write_usage(self, total: int, scanned_at: float) -> None:
         self.files.write_small(self.files.root / ".usage",
