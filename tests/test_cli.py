@@ -142,7 +142,8 @@ def test_serve_builds_vllms_server_command_from_a_kvtier_config(
     ktc = json.loads(cmd[10])
     assert ktc["kv_connector"] == "KVTierConnector" and ktc["kv_connector_module_path"] == "kvtier.integrations.vllm"
     assert ktc["kv_load_failure_policy"] == "recompute"
-    assert ktc["kv_connector_extra_config"] == {"pool_url": "fs:///mnt/pool", "host_bytes": "2GiB"}
+    # The file's path only: its settings (secrets among them) never reach a command line.
+    assert ktc["kv_connector_extra_config"] == {"config": str(cfg)}
 
 
 def test_serve_refuses_a_second_kv_transfer_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -186,3 +186,17 @@ def test_from_config_dict(monkeypatch):
     monkeypatch.delenv("KVTIER_CHUNK_TOKENS", raising=False)
     with TieredStore.from_config({**BASE, "chunk_tokens": 16, "host_bytes": "1MiB"}) as store:
         assert (store.chunk_tokens, [t.name for t in store.levels]) == (16, ["host"])
+
+
+def test_yaml_values_expand_environment_variables(tmp_path):
+    from kvtier.config import read_settings_file
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("pool_url: rediss://kvtier:${REDIS_PASSWORD}@cache:6380/0\n"
+                    "tenant_salt: ${SALT:-fallback}\nredis_options: {ssl_ca_certs: '${CA}'}\n")
+    got = read_settings_file(path, {"REDIS_PASSWORD": "hunter2", "CA": "/ca.pem"})
+    assert got == {"pool_url": "rediss://kvtier:hunter2@cache:6380/0", "tenant_salt": "fallback",
+                   "redis_options": {"ssl_ca_certs": "/ca.pem"}}
+    with pytest.raises(ValueError, match="REDIS_PASSWORD is not set") as err:
+        read_settings_file(path, {})
+    assert "hunter2" not in str(err.value)

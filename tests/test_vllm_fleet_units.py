@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvtier.integrations.vllm.common import KVTierWorkerMeta
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource, flatten
 from kvtier.keys import shard_id
@@ -152,17 +153,24 @@ def test_a_request_asking_for_retention_sends_it_with_its_saves_and_what_it_alre
                                                                   num_computed_tokens=2 * CHUNK)],
                                             scheduled={"r": 2 * CHUNK + 5}))
     assert [len(t.chunk_ids) for t in meta.retains] == [2]  # the two chunks it loaded
-    assert [len(t.chunk_ids) for t in meta.saves] == [2]  # the two it computed
-    for t in (*meta.retains, *meta.saves):
+    assert meta.saves == []  # computed over its synchronous load: saved once every rank reported it
+    role.update_connector_output(KVTierWorkerMeta(sync_loads=[("r", True)]))
+    later = role.build_connector_meta(output(cached=[("r", None, 4 * CHUNK + 5)], scheduled={"r": 1}))
+    assert [len(t.chunk_ids) for t in later.saves] == [2]  # the two it computed
+    for t in (*meta.retains, *later.saves):
         assert t.retain_until is not None and now + 590 < t.retain_until < now + 610
 
 
 @pytest.mark.parametrize("params, server, want", [
     (None, 0.0, None), (None, 30.0, 30.0), ({"kvtier": {"retain_s": 5}}, 30.0, 5.0),
     ({"kvtier": {"retain_s": "long"}}, 30.0, 30.0), ({"kvtier": {"retain_s": 0}}, 30.0, None),
+    # Hostile clients (before: 1e20 killed the writer threads): ignored or clamped, never an error.
+    ({"kvtier": {"retain_s": 1e20}}, 30.0, 3600.0), ({"kvtier": {"retain_s": float("inf")}}, 30.0, 30.0),
+    ({"kvtier": {"retain_s": float("nan")}}, 30.0, 30.0), ({"kvtier": {"retain_s": -5}}, 30.0, 30.0),
+    ({"kvtier": {"retain_s": True}}, 30.0, 30.0), ({"kvtier": "forever"}, 30.0, 30.0),
 ])
 def test_retention_comes_from_the_request_else_the_server(params: Any, server: float, want: float | None) -> None:
-    role, _ = make_scheduler(extra={"retain_s": server})
+    role, counters = make_scheduler(extra={"retain_s": server, "max_retain_s": 3600})
     req = request("r", list(range(1000, 1000 + CHUNK + 5)), kv_transfer_params=params)
     assert ask(role, req) == (0, False)
     role.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
@@ -173,3 +181,6 @@ def test_retention_comes_from_the_request_else_the_server(params: Any, server: f
         assert save.retain_until is None
     else:
         assert save.retain_until == pytest.approx(time.time() + want, abs=5)
+    hostile = params is not None and (not isinstance(params["kvtier"], dict)
+                                      or params["kvtier"]["retain_s"] not in (5, 0, "long"))
+    assert counters["rejected_params"] == (1 if hostile or params == {"kvtier": {"retain_s": "long"}} else 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -101,7 +102,7 @@ def test_deployment_names_layout_page_and_backend_and_sizes_chunks_in_page_bytes
     dep = deployment(vllm_config(tp=2), kv_config(full_spec()))
     page = HEADS * BS * 2 * HEAD * 2  # heads x tokens x (K + V) x bf16
     assert dep.layer_block_bytes == page and dep.num_layers == 2
-    assert dep.kv_format == f"vllm-cuda-auto-LBHNC-bs{BS}-auto-FullAttentionSpec-page{page}"
+    assert dep.kv_format == f"vllm-cuda-auto-LBHNC-bs{BS}-auto-bfloat16-FullAttentionSpec-page{page}"
     assert dep.sharding == Sharding(2, 2)
     assert dep.layout.bytes_per_token * BS == dep.num_layers * page  # a chunk is its pages' bytes
 
@@ -114,6 +115,83 @@ def test_mla_kv_is_one_shard_replicated_on_every_rank() -> None:
     assert [dep.sharding.shard_of(r) for r in range(4)] == [0, 0, 0, 0]
     assert [dep.sharding.writes_pool(r) for r in range(4)] == [True, False, False, False]
     assert dep.layer_block_bytes == BS * 72  # one latent "head", not doubled into K and V
+
+
+def test_bf16_and_fp16_caches_never_share_a_namespace() -> None:
+    """Before: the page dtype was not in kv_format; bf16 and fp16 pages are the same size."""
+    bf16 = deployment(vllm_config(), kv_config(full_spec()))
+    fp16 = deployment(vllm_config(), kv_config(FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                                                                 dtype=torch.float16)))
+    assert bf16.layer_block_bytes == fp16.layer_block_bytes and bf16.kv_format != fp16.kv_format
+
+
+@pytest.mark.parametrize("spec, match", [
+    (lambda: full_spec(non_causal=True), "non-causal"),
+    (lambda: __import__("vllm.v1.kv_cache_interface", fromlist=["RSWASpec"]).RSWASpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, rswa_window=64), "zeros"),
+])
+def test_specs_that_look_like_full_attention_but_are_not_are_refused(spec: Any, match: str) -> None:
+    with pytest.raises(UnsupportedDeployment, match=match):
+        deployment(vllm_config(), kv_config(spec()))
+
+
+def test_prefill_context_parallel_is_refused() -> None:
+    config = vllm_config()
+    config.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(UnsupportedDeployment, match="prefill_context_parallel_size"):
+        deployment(config, kv_config(full_spec()))
+
+
+def test_data_parallel_engines_on_one_host_never_share_a_disk_directory(tmp_path: Any) -> None:
+    """Before: the second DP engine's disk tier was left out (the first held its lock), but its
+    scheduler still looked in the first engine's directory and offered hits no load delivered."""
+    cfg, rest = ConnectorConfig.split({"disk_path": str(tmp_path), "chunk_tokens": CHUNK, "host_bytes": 0})
+    paths = {}
+    for dp in (0, 1):
+        config = vllm_config(tp=2)
+        config.parallel_config.data_parallel_size = 2
+        config.parallel_config.data_parallel_index = dp
+        dep = deployment(config, kv_config(full_spec()))
+        worker_paths = {store_config(cfg, rest, config, dep, r).disk_path for r in (0, 1)}
+        role = SchedulerRole(cfg, store_config(cfg, rest, config, dep, None), dep, {})
+        seen = {t.files.root.as_posix() for tiers in role.rank_tiers.values() for t in tiers if t.name == "disk"}
+        role.close()
+        assert seen == worker_paths  # the scheduler looks exactly where its own workers write
+        paths[dp] = worker_paths
+    assert paths[0].isdisjoint(paths[1])
+    assert paths[1] == {str(tmp_path / "dp1-of-2" / "tp0-of-2"), str(tmp_path / "dp1-of-2" / "tp1-of-2")}
+
+
+def test_host_bytes_is_a_total_shared_by_the_tensor_parallel_ranks() -> None:
+    dep = deployment(vllm_config(tp=4), kv_config(full_spec()))
+    cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "host_bytes": "8GiB"})
+    assert {store_config(cfg, rest, vllm_config(tp=4), dep, r).host_bytes for r in range(4)} == {2 << 30}
+
+
+def test_the_model_is_keyed_by_its_weights_not_its_path(tmp_path: Any) -> None:
+    """Before: new weights behind the same path read the old weights' KV."""
+    from kvtier.integrations.vllm.identity import content_digest, model_digest
+
+    model = tmp_path / "current"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    weights = bytearray(range(256)) * (40 << 10)  # 10 MiB: sampled, not hashed whole
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    config = vllm_config()
+    config.model_config = SimpleNamespace(model=str(model), revision=None, quantization=None, hf_config=None)
+    first = model_digest(config)
+    assert model_digest(config) == first and content_digest(model)
+    weights[5 << 20] ^= 0xFF  # one byte in the middle, inside a sampled block? any retraining changes them all
+    weights[: 64 << 10] = bytes(64 << 10)  # a different seed: the first bytes differ too
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    second = model_digest(config)
+    assert second != first
+    config.model_config.quantization = "fp8"
+    assert model_digest(config) != second
+    dep = deployment(config, kv_config(full_spec()))
+    cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK})
+    assert store_config(cfg, rest, config, dep, 0).namespace().digest != \
+        store_config(cfg, rest, config, replace(dep, model_digest=first), 0).namespace().digest
 
 
 def test_each_tp_rank_gets_its_own_disk_directory(tmp_path: Any) -> None:
@@ -145,8 +223,12 @@ def request(req_id: str, tokens: list[int] | None, **kw: Any) -> Any:
     return SimpleNamespace(**{**fields, **kw})
 
 
-def mm(ident: str, offset: int, length: int) -> Any:
-    return SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=offset, length=length))
+def mm(ident: str, offset: int, length: int, pixels: int | None = 0) -> Any:
+    """A multimodal item as the engine core has it: its identifier (a hash, or a client's UUID),
+    its processed data (field -> element with ``data``; None: left out by vLLM's cache)."""
+    data = None if pixels is None else {"pixel_values": SimpleNamespace(data=torch.full((3, 4), float(pixels)))}
+    return SimpleNamespace(identifier=ident, modality="image", data=data,
+                           mm_position=SimpleNamespace(offset=offset, length=length))
 
 
 def test_lora_and_multimodal_inputs_enter_the_keys() -> None:
@@ -154,12 +236,46 @@ def test_lora_and_multimodal_inputs_enter_the_keys() -> None:
     plain = request_extra(request("a", tokens))
     lora_a = request_extra(request("b", tokens, lora_request=SimpleNamespace(lora_name="a", lora_path="/a")))
     lora_b = request_extra(request("c", tokens, lora_request=SimpleNamespace(lora_name="b", lora_path="/b")))
-    img_1 = request_extra(request("d", tokens, mm_features=[mm("img1", 10, 20)]))
-    img_2 = request_extra(request("e", tokens, mm_features=[mm("img2", 10, 20)]))
-    img_1_moved = request_extra(request("f", tokens, mm_features=[mm("img1", 30, 20)]))
+    img_1 = request_extra(request("d", tokens, mm_features=[mm("img1", 10, 20, pixels=1)]))
+    img_2 = request_extra(request("e", tokens, mm_features=[mm("img2", 10, 20, pixels=2)]))
+    img_1_moved = request_extra(request("f", tokens, mm_features=[mm("img1", 30, 20, pixels=1)]))
     assert plain == b""  # plain prompts keep the keys they always had
     assert len({plain, lora_a, lora_b, img_1, img_2, img_1_moved}) == 6
     assert request_extra(request("g", None, prompt_embeds=torch.zeros(4, 8))) is None
+
+
+def test_a_reused_client_uuid_never_keys_other_content() -> None:
+    """Before: the client's multi_modal_uuids string was the key fleet-wide; another client
+    sending other pixels under the same UUID was served the first one's KV."""
+    tokens = list(range(100, 200))
+    first = request_extra(request("a", tokens, mm_features=[mm("my-uuid", 10, 20, pixels=1)]))
+    other = request_extra(request("b", tokens, mm_features=[mm("my-uuid", 10, 20, pixels=2)]))
+    same = request_extra(request("c", tokens, mm_features=[mm("another-uuid", 10, 20, pixels=1)]))
+    assert first != other  # the content decides
+    assert first == same  # whatever the client called it
+    counters: dict[str, int] = {}
+    blind = request("d", tokens, mm_features=[mm("my-uuid", 10, 20, pixels=None)])
+    assert request_extra(blind, counters=counters) is None  # no data to check: not served from kvtier
+    trusted = request_extra(blind, trust_mm_identifiers=True, counters=counters)
+    assert trusted is not None and trusted not in (first, other)
+    assert counters["mm_trusted_ids"] == 1
+
+
+def test_a_lora_adapter_is_keyed_by_its_content(tmp_path: Any) -> None:
+    from kvtier.integrations.vllm.identity import AdapterIdentities
+
+    adapters = AdapterIdentities()
+    path = tmp_path / "adapter"
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(b"weights-v1" * 1000)
+    tokens = list(range(100, 200))
+    lora = SimpleNamespace(lora_name="mine", lora_path=str(path))
+    v1 = request_extra(request("a", tokens, lora_request=lora), adapters)
+    assert request_extra(request("b", tokens, lora_request=lora), adapters) == v1  # cached, unchanged
+    time.sleep(0.05)  # a new mtime (ext4 stamps in jiffies)
+    (path / "adapter_model.safetensors").write_bytes(b"weights-v2" * 1000)  # same name, same path, new weights
+    assert request_extra(request("c", tokens, lora_request=lora), adapters) != v1
 
 
 # ---------------------------------------------------------------- the scheduler role
@@ -171,7 +287,7 @@ def make_scheduler(tp: int = 1, extra: dict[str, Any] | None = None) -> tuple[Sc
                                        "load_mode": "sync", **(extra or {})})
     counters = dict.fromkeys(("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads",
                               "async_loads", "lookup_timeouts", "decode_saves", "failed_loads"), 0)
-    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, 0), dep, counters,
+    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, None), dep, counters,
                          inject_faults=bool(cfg.inject_faults)), counters
 
 
@@ -376,3 +492,59 @@ def test_a_request_whose_background_load_failed_whole_is_not_offered_the_hit_aga
     role.build_connector_meta(output())
     assert ask(role, req) == (0, False)  # asked again before it ever ran: recompute
     assert ask(role, req) == (0, False) and counters["failed_loads"] == 1
+
+
+def test_a_sync_loads_step_saves_nothing_until_every_rank_reported_it() -> None:
+    """Before: with load_mode sync, a load that fell short was only recorded; the step's saves of
+    the chunks computed over the unfilled blocks went to the pool under their correct keys."""
+    role, counters = make_scheduler()
+    req = request("s", list(range(11000, 11000 + 5 * CHUNK + 3)))
+    held(role, req, 2)
+    assert ask(role, req) == (2 * CHUNK, False)
+    role.update_state_after_alloc(req, blocks(list(range(11))), 2 * CHUNK)
+    step = role.build_connector_meta(output(new=[SimpleNamespace(req_id="s", block_ids=(list(range(11)),),
+                                                                  num_computed_tokens=2 * CHUNK)],
+                                            scheduled={"s": 3 * CHUNK + 3}))
+    assert len(step.loads) == 1 and step.saves == []
+    # No report yet (async scheduling runs the next step first): still nothing saved.
+    nxt = role.build_connector_meta(output(cached=[("s", None, 5 * CHUNK + 3)], scheduled={"s": 1}))
+    assert nxt.saves == [] and counters["unverified_saves"] == 2
+    # A rank could not fill the second chunk: vLLM rolls back to block 2 (chunk 1) and recomputes.
+    role.update_connector_output(KVTierWorkerMeta(sync_loads=[("s", True), ("s", False)]))
+    redo = role.build_connector_meta(output(cached=[("s", None, CHUNK)], scheduled={"s": 4 * CHUNK + 3}))
+    (save,) = redo.saves
+    assert save.chunk_ids == role._state(req).chunk_ids[1:5]  # recomputed chunks, from the rollback on
+    assert save.block_ids == list(range(2, 10))
+
+
+def test_a_sync_loads_request_that_finishes_unverified_is_not_decode_saved() -> None:
+    role, _ = make_scheduler()
+    tokens = list(range(12000, 12000 + 3 * CHUNK + 1))
+    req = finished("u", tokens, 3 * CHUNK, prompt=3 * CHUNK + 1)
+    held(role, req, 2)
+    assert ask(role, req) == (2 * CHUNK, False)
+    role.update_state_after_alloc(req, blocks(list(range(7))), 2 * CHUNK)
+    role.build_connector_meta(output(new=[SimpleNamespace(req_id="u", block_ids=(list(range(7)),),
+                                                           num_computed_tokens=2 * CHUNK)], scheduled={"u": CHUNK + 1}))
+    assert role.request_finished(req, list(range(7))) is False
+
+
+def test_a_tier_a_workers_store_left_out_is_no_longer_looked_up_for_that_rank(tmp_path: Any) -> None:
+    role, _ = make_scheduler(tp=2, extra={"disk_path": str(tmp_path)})
+    assert [t.name for t in role.rank_tiers[1]] == ["host", "disk"]
+    role.update_connector_output(KVTierWorkerMeta(unavailable={1: ["disk"]}))
+    assert [t.name for t in role.rank_tiers[1]] == ["host"] and [t.name for t in role.rank_tiers[0]] == ["host", "disk"]
+
+
+def test_the_connector_reads_its_config_file_itself_secrets_from_the_environment(tmp_path: Any, monkeypatch: Any) -> None:
+    """kvtier serve passes only the file's path through vLLM (its argv and logs); the connector
+    reads connector and store settings from it and expands ${VAR} from its own environment."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("load_policy: never\nchunk_tokens: 64\ntenant_salt: ${TEST_KVTIER_SALT}\nhost_bytes: 1MiB\n")
+    monkeypatch.setenv("TEST_KVTIER_SALT", "tenant-secret-42")
+    cfg, rest = ConnectorConfig.split({"config": str(path), "host_bytes": "2MiB"})
+    assert cfg.load_policy == "never" and "tenant-secret-42" not in repr(cfg)
+    dep = deployment(vllm_config(), kv_config(full_spec()))
+    config = store_config(cfg, rest, vllm_config(), dep, 0)
+    assert (config.chunk_tokens, config.tenant_salt, config.host_bytes) == (64, "tenant-secret-42", 2 << 20)
+    assert "tenant-secret-42" not in repr(config)

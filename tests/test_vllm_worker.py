@@ -142,3 +142,67 @@ def test_a_salted_requests_chunks_load_in_an_instance_with_another_default_tenan
     assert wait_recved(reader, "r") == set()
     assert all(torch.equal(s[:2 * BPC], c[blocks]) for s, c in zip(source, caches, strict=True))
     reader.close()
+
+
+def test_a_sync_load_is_reported_with_whether_it_delivered_everything(tmp_path: Any) -> None:
+    populate(tmp_path, 2)
+    role, _ = worker(tmp_path)
+    role.start_load_kv(KVTierMetadata(loads=[Transfer("ok", ids(2), list(range(20, 20 + 2 * BPC))),
+                                             Transfer("short", ids(3), list(range(30, 30 + 3 * BPC)))]))
+    report = role.report()
+    assert report is not None and report.sync_loads == [("ok", True), ("short", False)]
+    assert role.report() is None  # reported once
+    role.close()
+
+
+def test_handle_preemptions_fences_the_saves_before_vllm_touches_blocks(tmp_path: Any) -> None:
+    role, _ = worker(tmp_path)
+    calls: list[str] = []
+    assert role.mover is not None
+    role.mover.fence = lambda: calls.append("fence")  # type: ignore[method-assign]
+    role.handle_preemptions()
+    assert calls == ["fence"]
+    role.close()
+
+
+def test_on_a_gpu_every_kvtier_thread_sets_the_engines_device(tmp_path: Any, monkeypatch: Any) -> None:
+    from types import SimpleNamespace
+
+    role, _ = worker(tmp_path)
+    assert role._thread_init() is None  # CPU: nothing to set
+    role.paged = SimpleNamespace(device=torch.device("cuda", 3))  # type: ignore[assignment]
+    seen: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "set_device", seen.append)
+    init = role._thread_init()
+    assert init is not None
+    init()
+    assert seen == [torch.device("cuda", 3)]
+    role.close()
+
+
+def test_pool_evictions_are_read_off_the_engine_thread(tmp_path: Any) -> None:
+    import threading
+
+    from kvtier.integrations.vllm.worker import EvictionReader
+
+    class Hung:
+        name = "pool"
+        gate = threading.Event()
+        calls = 0
+
+        def read_evictions(self) -> list[bytes]:
+            self.calls += 1
+            if self.calls > 1:
+                self.gate.wait(30)  # a hung shared filesystem
+            return [b"k" * 32]
+
+    hung = Hung()
+    reader = EvictionReader([hung], 0.01)  # type: ignore[list-item]
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert reader.drain() == []  # the first read started at the log's end
+    assert time.monotonic() - t0 < 0.05  # the engine thread never waits for the filesystem
+    Hung.gate.set()
+    time.sleep(0.1)
+    assert reader.drain()[0] == ("pool", b"k" * 32)
+    reader.close()

@@ -1,7 +1,10 @@
 """Store configuration: one frozen dataclass, validated once, from kwargs, YAML or env.
 
 Precedence (later wins): YAML file or dict < ``KVTIER_*`` environment variables < keyword
-overrides. Sizes accept ints (bytes) or strings such as ``"2GiB"``, ``"512MB"``, ``"1.5G"``.
+overrides. In a YAML file, ``${NAME}`` (or ``${NAME:-default}``) in a value is replaced by that
+environment variable, so secrets (``redis_password``, a ``pool_url``'s credentials,
+``tenant_salt``) need not be written in the file; a variable that is unset and has no default
+is an error naming it (never its value). Sizes accept ints (bytes) or strings such as ``"2GiB"``, ``"512MB"``, ``"1.5G"``.
 LMCache-style names are accepted as aliases (``chunk_size``, ``max_local_cpu_size`` and
 ``max_local_disk_size`` in GB, ``local_disk``, ``remote_url``).
 """
@@ -18,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 
 GiB = 1 << 30
@@ -61,6 +65,8 @@ class StoreConfig:
     world_size: int = 1
     tenant_salt: str = ""
     kv_format: str = "kvtier"
+    model_digest: str = ""
+    """The content of the model's weights (engine integrations set it: ``keys.Namespace``)."""
     io_threads: int = 8
     write_threads: int = 1
     write_queue_chunks: int | None = None
@@ -124,6 +130,12 @@ class StoreConfig:
     @property
     def chunk_bytes(self) -> int:
         return self.chunk_tokens * self.layout.bytes_per_token
+
+    def namespace(self, rank: int | None = None) -> Namespace:
+        """The namespace this store's keys are made in (``rank``: another parallel rank's)."""
+        return Namespace(self.model_id, self.layout, self.chunk_tokens, self.rank if rank is None else rank,
+                         self.world_size, self.tenant_salt, kv_format=self.kv_format,
+                         model_digest=self.model_digest)
 
     def __repr__(self) -> str:
         # Logged at start by engine integrations: secrets never reach a log line or a repr.
@@ -221,23 +233,54 @@ def _coerce_env(name: str, raw: str) -> object:
     return raw
 
 
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: Any, environ: Mapping[str, str], where: str = "") -> Any:
+    """``value`` with every ``${NAME}`` / ``${NAME:-default}`` in its strings replaced (recursively
+    in mappings and lists). ValueError for an unset variable without a default."""
+    if isinstance(value, str):
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in environ:
+                return environ[name]
+            if default is not None:
+                return default
+            raise ValueError(f"{where or 'kvtier config'}: environment variable {name} is not set "
+                             f"(write ${{{name}:-default}} for a default)")
+
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, Mapping):
+        return {k: expand_env(v, environ, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, environ, where) for v in value]
+    return value
+
+
+def read_settings_file(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings of a kvtier YAML file (a top-level mapping, or one under ``kvtier:``), with
+    ``${VAR}`` references expanded from ``environ`` (default: the process environment)."""
+    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of settings at the top level")
+    if isinstance(loaded.get("kvtier"), dict):  # allow nesting under a `kvtier:` section
+        loaded = dict(loaded["kvtier"])
+    return dict(expand_env(loaded, os.environ if environ is None else environ, str(path)))
+
+
 def load_settings(source: str | os.PathLike[str] | Mapping[str, Any] | None,
                   environ: Mapping[str, str] | None = None, **overrides: Any) -> StoreConfig:
     """Merge a YAML file or dict, ``KVTIER_*`` variables and keyword overrides; validate."""
+    env = os.environ if environ is None else environ
     if source is None:
         raw: dict[str, Any] = {}
     elif isinstance(source, Mapping):
         raw = dict(source)
     else:
-        text = Path(source).read_text()
-        loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{source}: expected a mapping of settings at the top level")
-        raw = loaded
+        raw = read_settings_file(source, env)
     if isinstance(raw.get("kvtier"), dict):  # allow nesting under a `kvtier:` section
         raw = dict(raw["kvtier"])
     known = {f.name for f in fields(StoreConfig)} | set(_LAYOUT_KEYS)
-    env = os.environ if environ is None else environ
     env_layer: dict[str, Any] = {}
     for var, value in env.items():
         if var.startswith("KVTIER_"):

@@ -7,8 +7,8 @@ A key is deterministic across processes and machines: it is a BLAKE3 digest of b
     key(i)           = BLAKE3(key(i-1) || tokens_digest(i) || extra_digest)
     key(-1)          = namespace digest
 
-The namespace digest covers everything that changes the stored bytes (model, dtype, layout,
-chunk size, parallel rank/size, format version, tenant salt), so KV of one model or tenant can
+The namespace digest covers everything that changes the stored bytes (model and the content
+of its weights, dtype, layout, chunk size, parallel rank/size, format version, tenant salt), so KV of one model or tenant can
 never be addressed by another. Hashing the token digest rather than the tokens lets
 ``kvtier pool verify`` recheck a key from a chunk header alone (parent key + token digest).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import array
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NewType
 
 import numpy as np
@@ -50,10 +50,15 @@ class Namespace:
     kv_format: str = "kvtier"
     """How the payload bytes are laid out: ``kvtier`` (the canonical ``[layers, 2, tokens,
     heads, head_dim]``) or an engine's own paged format (e.g. ``vllm-cpu-vec-bs128``)."""
+    model_digest: str = ""
+    """The content of the model's weights and config (``integrations/vllm/identity.py``): new
+    weights behind the same ``model_id`` get a namespace of their own. Empty: not known (the
+    field is then left out of the digest, so namespaces made without it keep theirs)."""
 
     def describe(self) -> dict[str, object]:
         """Canonical, human-readable fields (written beside pool data for `pool stats`)."""
-        return {
+        extra: dict[str, object] = {"model_digest": self.model_digest} if self.model_digest else {}
+        return {**extra,
             "format_version": self.format_version,
             "model_id": self.model_id,
             "layout": self.layout.to_dict(),
@@ -72,8 +77,7 @@ class Namespace:
         return blake3(b"kvtier-namespace\0" + canonical).digest()
 
     def with_salt(self, tenant_salt: str) -> Namespace:
-        return Namespace(self.model_id, self.layout, self.chunk_tokens, self.rank,
-                         self.world_size, tenant_salt, self.format_version, self.kv_format)
+        return replace(self, tenant_salt=tenant_salt)
 
 
 @dataclass(frozen=True)

@@ -218,8 +218,7 @@ class TieredStore:
         self.config = config
         self.layout: KVLayout = config.layout
         self.chunk_tokens = config.chunk_tokens
-        self.namespace = Namespace(config.model_id, config.layout, config.chunk_tokens, config.rank,
-                                   config.world_size, config.tenant_salt, kv_format=config.kv_format)
+        self.namespace: Namespace = config.namespace()
         if tiers is None and host is None and config.host_bytes > 0:
             host = HostCache(config.host_bytes, config.layout, config.chunk_tokens)
         self.host: HostCache | None = host

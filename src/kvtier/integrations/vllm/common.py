@@ -71,6 +71,10 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     computed many tokens. ``disabled``: ranks whose connector turned itself off (a KV layout it
     cannot handle): the scheduler stops reporting hits. ``tier_changes``: ``(tier, added, key)``
     of the first rank's disk and pool tiers (with KV events on), evictions by other instances too.
+    ``sync_loads``: ``(request, delivered every chunk)`` of each synchronous load this step ran:
+    until every rank reported it, the scheduler saves none of that request's chunks (they were
+    computed over the loaded blocks). ``unavailable``: per rank, tiers its store left out (a
+    directory it could not open): the scheduler stops looking there for that rank.
     """
 
     host_changes: dict[int, list[tuple[bool, bytes]]] = field(default_factory=dict)
@@ -78,6 +82,8 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     prefill: list[tuple[int, float]] = field(default_factory=list)
     disabled: list[int] = field(default_factory=list)
     tier_changes: list[tuple[str, bool, bytes]] = field(default_factory=list)
+    sync_loads: list[tuple[str, bool]] = field(default_factory=list)
+    unavailable: dict[int, list[str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Fold another rank's report into this one (vLLM calls it over all ranks)."""
@@ -88,12 +94,16 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
             self.prefill.extend(other.prefill)
             self.disabled.extend(other.disabled)
             self.tier_changes.extend(other.tier_changes)
+            self.sync_loads.extend(other.sync_loads)
+            for rank, names in other.unavailable.items():
+                self.unavailable.setdefault(rank, []).extend(names)
         return self
 
 
 COUNTERS = ("matched_tokens", "loaded_tokens", "failed_blocks", "saved_chunks", "unavailable_tiers",
             "skipped_requests", "resumed_loads", "disabled", "async_loads", "stopped_loads", "lookup_timeouts",
-            "decode_saves", "failed_loads", "lookup_tokens", "miss_tokens")
+            "decode_saves", "failed_loads", "lookup_tokens", "miss_tokens", "rejected_params",
+            "unverified_saves", "mm_trusted_ids")
 """The connector's own counters (the ``connector`` section of its metrics file); labelled ones
 are added as ``<prefix>.<label>`` keys when first counted (``decision.load``, ``unavailable.pool``)."""
 

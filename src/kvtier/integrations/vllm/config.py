@@ -10,6 +10,7 @@ start, with a ``ValueError`` that names the setting and the fix (``UnsupportedDe
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.config import StoreConfig, load_settings
+from kvtier.config import StoreConfig, load_settings, read_settings_file
 from kvtier.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ def _number(name: str, value: object, *, minimum: float = 0.0, strict: bool = Tr
         number = float(value)
     except ValueError:
         raise ValueError(f"kvtier setting {name}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"kvtier setting {name}: expected a finite number, got {value!r}")
     if number < minimum or (strict and number == minimum):
         raise ValueError(f"kvtier setting {name}: must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
     return number
@@ -76,6 +79,14 @@ class ConnectorConfig:
     """Server-wide default session retention: every request's chunks are kept in the disk tier
     and the pool ahead of unretained ones for this long after its last save or hit (0: none). A
     request sets its own with ``kv_transfer_params: {"kvtier": {"retain_s": 1800}}``."""
+    max_retain_s: float = 7 * 86400.0
+    """The longest retention a request may ask for (its ``retain_s`` is clamped to this); a value
+    that is not a finite number >= 0 is ignored. Both are counted (``rejected_params``)."""
+    trust_mm_identifiers: bool = False
+    """Multimodal inputs are keyed by a digest of their processed data. When vLLM hands the
+    engine an item without its data (a processor-cache hit), kvtier cannot check what the
+    item's identifier (possibly a client's ``multi_modal_uuids`` string) stands for, and serves
+    the request without kvtier; true: key such items by the identifier (counted)."""
     events_max_chunks: int = 16384
     """With vLLM's KV events on: how many chunks' block hashes the scheduler remembers to
     announce and withdraw them (about 2.5 KB each at 256 tokens per chunk)."""
@@ -85,9 +96,12 @@ class ConnectorConfig:
     """A kvtier YAML file with store settings (the extra config's own store settings win)."""
     inject_faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Tests only: ``{tier name: FaultyTier options}``."""
+    file_settings: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The store settings of the ``config`` file (read by ``split``; never shown: it may hold secrets)."""
 
     KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
-            "lookup_timeout_s", "retain_s", "events_max_chunks", "metrics_file", "config", "inject_faults")
+            "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks",
+            "metrics_file", "config", "inject_faults")
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -99,6 +113,13 @@ class ConnectorConfig:
         object.__setattr__(self, "lookup_timeout_s", _number("lookup_timeout_s", self.lookup_timeout_s))
         object.__setattr__(self, "read_gbps", _number("read_gbps", self.read_gbps))
         object.__setattr__(self, "retain_s", _number("retain_s", self.retain_s, strict=False))
+        object.__setattr__(self, "max_retain_s", _number("max_retain_s", self.max_retain_s, strict=False))
+        if not self.retain_s <= self.max_retain_s < 1e9:  # (and finite: os.utime must take it)
+            raise ValueError(f"kvtier setting retain_s / max_retain_s: need retain_s <= max_retain_s < 1e9 s, got "
+                             f"{self.retain_s!r} and {self.max_retain_s!r}")
+        if not isinstance(self.trust_mm_identifiers, bool):
+            raise ValueError(f"kvtier setting trust_mm_identifiers: expected true or false, got "
+                             f"{self.trust_mm_identifiers!r}")
         if isinstance(self.events_max_chunks, bool) or not isinstance(self.events_max_chunks, int) \
                 or self.events_max_chunks < 1:
             raise ValueError(f"kvtier setting events_max_chunks: expected an integer >= 1, got "
@@ -118,10 +139,20 @@ class ConnectorConfig:
 
     @classmethod
     def split(cls, extra: Mapping[str, Any] | None) -> tuple[ConnectorConfig, dict[str, Any]]:
-        """The connector's settings from ``extra``, and the rest (store settings)."""
+        """The connector's settings from ``extra`` and the ``config`` file it names, and the rest of
+        ``extra`` (store settings; the file's are in ``file_settings``). ``extra`` wins over the
+        file; the file's ``${VAR}`` references are expanded here, inside the connector, so a
+        secret reaches vLLM's command line and logs as a variable's name at most."""
         rest = dict(extra or {})
-        mine = {k: rest.pop(k) for k in cls.KEYS if k in rest}
-        return cls(**mine), rest
+        path = rest.get("config")
+        from_file: dict[str, Any] = {}
+        if path is not None:
+            if not isinstance(path, (str, os.PathLike)) or not str(path):
+                raise ValueError(f"kvtier setting config: expected a file path, got {path!r}")
+            from_file = read_settings_file(path)
+        mine = {k: from_file.pop(k) for k in cls.KEYS if k in from_file and k != "config"}
+        mine.update({k: rest.pop(k) for k in cls.KEYS if k in rest})
+        return cls(**mine, file_settings=from_file), rest
 
 
 @dataclass(frozen=True)
@@ -162,6 +193,11 @@ class Deployment:
     sharding: Sharding
     kv_format: str
     layer_names: tuple[str, ...] = ()
+    model_digest: str = ""
+    """The content of the model's weights and config (``identity.model_digest``): in every key."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    """This engine's data-parallel index among ``dp_size`` engines (each has its own disk tier)."""
 
     @property
     def layout(self) -> KVLayout:
@@ -173,9 +209,14 @@ class Deployment:
         return KVLayout(self.num_layers, 1, per_token_bytes, torch.uint8)
 
 
-def disk_path_of_rank(disk_path: str, rank: int, sharding: Sharding) -> str:
-    """Each tensor-parallel rank has a disk tier directory of its own (it holds its lock)."""
-    return disk_path if sharding.world_size == 1 else os.path.join(disk_path, f"tp{rank}-of-{sharding.world_size}")
+def disk_path_of_rank(disk_path: str, rank: int, dep: Deployment) -> str:
+    """Each tensor-parallel rank of each data-parallel engine has a disk tier directory of its own
+    (it holds its lock): two engines of one host never share one, and each engine's scheduler
+    looks only in the directories its own workers write."""
+    if dep.dp_size > 1:
+        disk_path = os.path.join(disk_path, f"dp{dep.dp_rank}-of-{dep.dp_size}")
+    world = dep.sharding.world_size
+    return disk_path if world == 1 else os.path.join(disk_path, f"tp{rank}-of-{world}")
 
 
 def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Deployment:
@@ -194,6 +235,10 @@ def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
     if getattr(pc, "decode_context_parallel_size", 1) > 1:
         raise UnsupportedDeployment("kvtier does not support decode_context_parallel_size > 1 (KV is split by "
                                     "token across ranks); run without it, or without the connector")
+    if getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        raise UnsupportedDeployment("kvtier does not support prefill_context_parallel_size > 1 (prefill is split "
+                                    "by token across ranks that the KV connector does not see); run without it, "
+                                    "or without the connector")
     if kv_cache_config is None:
         raise UnsupportedDeployment("vLLM gave the connector no KV cache config (vLLM older than 0.32?)")
     groups = kv_cache_config.kv_cache_groups
@@ -211,6 +256,7 @@ def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
         # chunk's blocks may no longer hold its KV; Mamba state is not paged by token.
         raise UnsupportedDeployment(f"kvtier supports full-attention KV caches (incl. MLA); this model's is "
                                     f"{type(spec).__name__}. Run it without the connector.")
+    check_causal_paged(spec)
     page_bytes = spec.real_page_size_bytes
     tp = pc.tensor_parallel_size
     max_shards = getattr(spec, "max_tp_shards", None)
@@ -218,16 +264,41 @@ def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
     layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
               or "unresolved")
     fmt = kv_format(vllm_config, spec, layout, page_bytes)
+    from kvtier.integrations.vllm.identity import model_digest
+
+    dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+    dp_rank = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0) if dp_size > 1 else 0
     return Deployment(spec.block_size, len(groups[0].layer_names), page_bytes, sharding, fmt,
-                      tuple(groups[0].layer_names))
+                      tuple(groups[0].layer_names), model_digest(vllm_config), dp_rank, dp_size)
+
+
+def check_causal_paged(spec: Any) -> None:
+    """Refuse the specs that are full attention in type but not in what their blocks hold.
+
+    A prefix-LM (``non_causal``): a token's KV depends on tokens after it, so a chunk's KV is
+    not a function of its prefix (vLLM itself turns prefix caching off for it). R-SWA
+    (``RSWASpec``): blocks in the gap between the prompt and the decode window are freed to
+    null blocks, so a decode save would publish zeros as KV.
+    """
+    name = type(spec).__name__
+    if getattr(spec, "non_causal", False):
+        raise UnsupportedDeployment(f"kvtier cannot serve this model: its attention is non-causal ({name} with "
+                                    "non_causal=True, a prefix LM), so cached KV of a prefix is not the KV of "
+                                    "that prefix in a longer prompt (vLLM disables its own prefix cache for it). "
+                                    "Run it without the connector.")
+    if any(cls.__name__ == "RSWASpec" for cls in type(spec).__mro__) or hasattr(spec, "rswa_window"):
+        raise UnsupportedDeployment(f"kvtier cannot serve this model: its KV cache ({name}) frees the blocks "
+                                    "between the prompt and the decode window, so saved chunks would hold zeros "
+                                    "instead of KV. Run it without the connector.")
 
 
 def kv_format(vllm_config: VllmConfig, spec: Any, layout: str, page_bytes: int) -> str:
     """Names everything that decides a page's bytes, so different layouts never share chunks.
 
     Device type, attention backend (when set), CPU instruction set (the CPU backend's page
-    interior depends on it), the resolved KV cache layout, block size, cache dtype, the spec's
-    type and its page size.
+    interior depends on it), the resolved KV cache layout, block size, cache dtype and the page's
+    element dtype (``auto`` is the model's dtype: bf16 and fp16 pages are the same size), the
+    KV quantization mode, the spec's type and its page size.
     """
     device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "unknown"
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -243,21 +314,35 @@ def kv_format(vllm_config: VllmConfig, spec: Any, layout: str, page_bytes: int) 
             import vllm
 
             isa = f"-unknown-{vllm.__version__}"
-    return (f"vllm-{device}-{backend_name}{isa}-{layout}-bs{spec.block_size}-{cache_dtype}"
+    page_dtype = str(getattr(spec, "dtype", "unknown")).removeprefix("torch.")
+    quant = getattr(spec, "kv_quant_mode", None)
+    quant_name = "" if quant is None or getattr(quant, "name", str(quant)) == "NONE" else \
+        f"-q{getattr(quant, 'name', quant)}"
+    return (f"vllm-{device}-{backend_name}{isa}-{layout}-bs{spec.block_size}-{cache_dtype}-{page_dtype}{quant_name}"
             f"-{type(spec).__name__}-page{page_bytes}")
 
 
 def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_config: VllmConfig,
-                 dep: Deployment, rank: int) -> StoreConfig:
-    """The store of tensor-parallel ``rank`` (its own disk directory; keys in one logical namespace)."""
-    extra = dict(settings)
-    extra.setdefault("chunk_tokens", max(256, dep.block_size))
-    model_id = extra.pop("model_id", vllm_config.model_config.model)
-    config = load_settings(connector.config, **extra, model_id=model_id, layout=dep.layout,
-                           rank=0, world_size=dep.sharding.world_size, kv_format=dep.kv_format)
+                 dep: Deployment, rank: int | None) -> StoreConfig:
+    """The store of tensor-parallel ``rank`` (its own disk directory; keys in one logical namespace).
+
+    ``rank`` None: the scheduler's view of all ranks (``disk_path`` is the base directory, of which
+    ``disk_path_of_rank`` names each rank's)."""
+    # Lowest first: the config file (with these defaults), KVTIER_* variables, the extra config.
+    base = dict(connector.file_settings)
+    if "chunk_tokens" not in base and "chunk_size" not in base:
+        base["chunk_tokens"] = max(256, dep.block_size)
+    if not any(k in base for k in ("model_id", "model", "model_name")):
+        base["model_id"] = vllm_config.model_config.model
+    config = load_settings(base, **settings, layout=dep.layout, rank=0, world_size=dep.sharding.world_size,
+                           kv_format=dep.kv_format, model_digest=dep.model_digest)
     if config.chunk_tokens % dep.block_size:
         raise ValueError(f"kvtier setting chunk_tokens: {config.chunk_tokens} is not a multiple of vLLM's block "
                          f"size {dep.block_size}; use e.g. {dep.block_size * max(1, 256 // dep.block_size)}")
-    if config.disk_path is not None:
-        config = replace(config, disk_path=disk_path_of_rank(config.disk_path, rank, dep.sharding))
+    if rank is not None:
+        # host_bytes is the engine's total, like vLLM's own offloading sizes: each of the
+        # tensor-parallel ranks page-locks its share (not eight times the budget at TP=8).
+        config = replace(config, host_bytes=config.host_bytes // dep.sharding.world_size)
+        if config.disk_path is not None:
+            config = replace(config, disk_path=disk_path_of_rank(config.disk_path, rank, dep))
     return config

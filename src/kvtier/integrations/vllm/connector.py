@@ -62,7 +62,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.connector_config, settings = ConnectorConfig.split(extra)
         self.deployment = deployment(vllm_config, kv_cache_config)
         rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0
-        self.config = store_config(self.connector_config, settings, vllm_config, self.deployment, rank)
+        self.config = store_config(self.connector_config, settings, vllm_config, self.deployment,
+                                   rank if role == KVConnectorRole.WORKER else None)
         self.counters: dict[str, int] = new_counters()
         self.scheduler: SchedulerRole | None = None
         self.worker: WorkerRole | None = None
@@ -135,6 +136,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, KVTierMetadata):
             self.worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM's runner calls this first in a step, before it zeroes or reuses any block."""
+        if self.worker is not None:
+            self.worker.handle_preemptions()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

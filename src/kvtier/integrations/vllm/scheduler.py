@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -58,6 +59,7 @@ from kvtier.integrations.vllm.common import (
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
 from kvtier.integrations.vllm.events import ChunkEvents
+from kvtier.integrations.vllm.identity import AdapterIdentities
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.tiers.base import Level, Tier
@@ -107,6 +109,10 @@ class _Request:
     request: Any = None  # vLLM's Request (its block hashes, for KV events)
     retain_s: float = 0.0  # the session asked kvtier to keep its chunks this long
     retained: bool = False  # the chunks it had when first scheduled were sent for retention
+    unverified: bool = False
+    """A synchronous load of it went to the workers and not every rank has reported it complete:
+    the step that ran it computed over the loaded blocks, so nothing it computed is saved until
+    then (a load that fell short means vLLM recomputes from the first missing block)."""
 
 
 class SchedulerRole:
@@ -119,8 +125,7 @@ class SchedulerRole:
         self.chunk_tokens = store.chunk_tokens
         self.block_size = dep.block_size
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
-        self.namespace = Namespace(store.model_id, store.layout, store.chunk_tokens, 0, store.world_size,
-                                   store.tenant_salt, kv_format=store.kv_format)
+        self.namespace: Namespace = store.namespace(rank=0)
         rate = connector.read_gbps * 1e9
         # Per-tier read bandwidth: priors until the workers' loads measure it.
         self.read_bytes_per_s = {"host": HOST_SPEEDUP * rate, "disk": rate, "pool": rate, "redis": rate}
@@ -137,6 +142,8 @@ class SchedulerRole:
         self.events = events
         self.host_views: dict[int, HostView] = {}
         self.rank_tiers: dict[int, list[Level]] = self._open_views(inject_faults)
+        self.adapters = AdapterIdentities()
+        self._warned: set[str] = set()
 
     # ---------------------------------------------------------------- the lookup view
 
@@ -156,7 +163,7 @@ class SchedulerRole:
             if self.config.host_bytes > 0:
                 tiers.append(self.host_views.setdefault(rank, HostView()))
             if self.config.disk_path is not None:
-                tiers.append(FileLookup("disk", disk_path_of_rank(self.config.disk_path, rank, self.dep.sharding)))
+                tiers.append(FileLookup("disk", disk_path_of_rank(self.config.disk_path, rank, self.dep)))
             if pool is not None:
                 tiers.append(pool)
             views[rank] = tiers
@@ -192,7 +199,8 @@ class SchedulerRole:
     def _state(self, request: Request) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            extra = request_extra(request)
+            extra = request_extra(request, self.adapters, trust_mm_identifiers=self.connector.trust_mm_identifiers,
+                                  counters=self.counters)
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
             if extra is None:
                 self.counters["skipped_requests"] += 1
@@ -206,17 +214,39 @@ class SchedulerRole:
         return state
 
     def _retain_s(self, request: Request) -> float:
-        """The request's ``kv_transfer_params: {"kvtier": {"retain_s": ...}}``, else the server's."""
+        """The request's ``kv_transfer_params: {"kvtier": {"retain_s": ...}}``, else the server's.
+
+        Any API client can send anything there: a value that is not a finite number >= 0 is
+        ignored, one over ``max_retain_s`` is clamped; both counted (``rejected_params``) with one
+        warning per kind, never an exception (an unchecked 1e20 once killed the writer threads).
+        """
         params = getattr(request, "kv_transfer_params", None) or {}
         mine = params.get("kvtier") if isinstance(params, dict) else None
-        if not isinstance(mine, dict) or "retain_s" not in mine:
+        if mine is None:
+            return self.connector.retain_s
+        if not isinstance(mine, dict):
+            self._rejected(request, "kv_transfer_params kvtier must be a mapping", mine)
+            return self.connector.retain_s
+        if "retain_s" not in mine:
             return self.connector.retain_s
         value = mine["retain_s"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            log.warning("kvtier: request %s: kv_transfer_params kvtier.retain_s must be a number >= 0, got %r; "
-                        "using the server's %g s", request.request_id, value, self.connector.retain_s)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            self._rejected(request, "kvtier.retain_s must be a finite number >= 0", value)
             return self.connector.retain_s
+        if value > self.connector.max_retain_s:
+            self._rejected(request, f"kvtier.retain_s is over max_retain_s={self.connector.max_retain_s:g}; clamped",
+                           value)
+            return self.connector.max_retain_s
         return float(value)
+
+    def _rejected(self, request: Request, why: str, value: object) -> None:
+        self.counters["rejected_params"] += 1
+        if why not in self._warned:  # once per kind: a hostile client repeats it a million times
+            self._warned.add(why)
+            shown = repr(value)
+            log.warning("kvtier: request %s: %s, got %s (ignored; later ones are only counted in "
+                        "kvtier_rejected_request_params_total)", request.request_id, why,
+                        shown if len(shown) <= 80 else shown[:77] + "...")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to load past ``num_computed_tokens`` (vLLM's own hit), and whether in the background.
@@ -334,6 +364,7 @@ class SchedulerRole:
             state.loading = False
             if state.load is not None:
                 meta.loads.append(self._emit_load(new.req_id, state))
+                state.unverified = True
             self._retain_had(meta, new.req_id, state)
             self._recomputes_from(state, new.num_computed_tokens)
             self._plan_save(meta, new.req_id, state,
@@ -352,6 +383,7 @@ class SchedulerRole:
                 if state.load is not None:
                     self.counters["resumed_loads"] += 1
                     meta.loads.append(self._emit_load(req_id, state))
+                    state.unverified = True
             elif new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
             state.loading = False
@@ -398,6 +430,11 @@ class SchedulerRole:
         return Transfer(req_id, state.chunk_ids[c0:c1], blocks, salt=state.salt, retain_until=until)
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, state: _Request, computed: int) -> None:
+        if state.unverified:
+            # Planned again at a later step, from vLLM's computed tokens then (rolled back by a
+            # failed load): never from KV computed over blocks a load may not have filled.
+            self.counters["unverified_saves"] += 1
+            return
         full = min(computed, state.prompt_len) // self.chunk_tokens
         full = min(full, len(state.chunk_ids), len(state.block_ids) // self.blocks_per_chunk)
         if full > state.saved_chunks:
@@ -415,7 +452,7 @@ class SchedulerRole:
         first. Only tokens whose KV was computed are saved (the last sampled token has none).
         """
         state = self._requests.pop(request.request_id, None)
-        if state is None or state.namespace is None or state.loading or self.disabled \
+        if state is None or state.namespace is None or state.loading or state.unverified or self.disabled \
                 or not self.connector.save_decode:
             return False  # (a request aborted while loading: its blocks are the load's until it ends)
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
@@ -440,6 +477,14 @@ class SchedulerRole:
             self.disabled = True
             log.error("kvtier: worker rank(s) %s disabled the connector (see their log); no more hits are "
                       "reported and the engine serves by recomputing", sorted(set(meta.disabled)))
+        for req_id, _complete in meta.sync_loads:
+            # A load that fell short is vLLM's to repair (it recomputes from the first block a
+            # rank could not fill, rolling back the tokens it computed); saves resume from there.
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.unverified = False
+        for rank, names in meta.unavailable.items():
+            self._drop_views(rank, names)
         for rank, changes in meta.host_changes.items():
             view = self.host_views.get(rank)
             if view is not None:
@@ -463,6 +508,18 @@ class SchedulerRole:
                 rate = tokens / seconds
                 prev = self.prefill_tokens_per_s
                 self.prefill_tokens_per_s = rate if prev is None else 0.7 * prev + 0.3 * rate
+
+    def _drop_views(self, rank: int, names: Sequence[str]) -> None:
+        """Rank ``rank``'s store left these tiers out: stop finding chunks there for it (each such
+        hit would cost a load that delivers nothing)."""
+        tiers = self.rank_tiers.get(rank)
+        if tiers is None:
+            return
+        kept = [t for t in tiers if t.name not in names]
+        if len(kept) < len(tiers):
+            log.warning("kvtier: worker rank %d serves without its %s tier(s); the scheduler no longer looks there",
+                        rank, ", ".join(sorted(set(names))))
+            self.rank_tiers[rank] = kept
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -75,6 +75,13 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, str]] = {
     "lookup_tokens": ("kvtier_requested_tokens_total", "Full-chunk prompt tokens past vLLM's own prefix cache hit "
                                                     "that were looked up"),
     "miss_tokens": ("kvtier_missed_tokens_total", "Looked-up tokens found in no tier"),
+    "rejected_params": ("kvtier_rejected_request_params_total", "Per-request kv_transfer_params kvtier values "
+                                                                "ignored or clamped (not a number, not finite, "
+                                                                "over max_retain_s)"),
+    "unverified_saves": ("kvtier_unverified_saves_total", "Save plans held back because the request's synchronous "
+                                                          "load had not yet been reported complete by every rank"),
+    "mm_trusted_ids": ("kvtier_mm_trusted_identifiers_total", "Multimodal items keyed by their client-given "
+                                                               "identifier (trust_mm_identifiers) for lack of data"),
 }
 LABELLED_COUNTERS: dict[str, tuple[str, str, str]] = {
     # counters-dict key prefix ("<prefix>.<label value>"): (metric name, label, help)

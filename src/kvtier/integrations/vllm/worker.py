@@ -25,9 +25,11 @@ bytes move through ``PageMover`` (``integrations/transfer.py``: streams and even
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
-from functools import partial
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,10 +47,13 @@ from kvtier.integrations.vllm.common import (
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
 from kvtier.keys import ChunkId, shard_id
 from kvtier.store import TieredStore
+from kvtier.threads import Failures, ThreadInit, thread
+from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
 SHARED_TIERS = ("pool", "redis")
+MAX_EVICTIONS_QUEUED = 1 << 16  # keys read from the pool's eviction log, waiting for a report
 IDLE_WAIT_S = 0.005  # how long a step without a forward pass waits for a background load to end
 EVICTIONS_READ_S = 1.0  # how often the first rank reads the pool's eviction log (KV events on)
 
@@ -84,7 +89,9 @@ class WorkerRole:
         # KV events: the first rank reports its disk and pool changes (and the pool's evictions
         # by anyone) to the scheduler, which publishes them.
         self.events = events and rank == 0
-        self._evictions_read = 0.0
+        self._evictions: EvictionReader | None = None
+        self._sync_loads: list[tuple[str, bool]] = []  # this step's synchronous loads, to report
+        self._unavailable: list[str] = []  # tiers this rank's store left out, to report once
 
     def _disable(self, why: str) -> None:
         self.disabled = True
@@ -115,8 +122,21 @@ class WorkerRole:
                  len(names), len(paged.runs), paged.block_bytes, self.dep.kv_format)
         self.open_store()
 
+    def _left_out(self, name: str, exc: Exception) -> None:
+        tier_unavailable(self.counters, name, exc)
+        self._unavailable.append(name)
+
+    def _thread_init(self) -> Callable[[], None] | None:
+        """Every thread kvtier starts in this process sets the engine's device first: without it a
+        CUDA call there creates a context on GPU 0, whatever rank this is."""
+        if self.paged is None or self.paged.device.type != "cuda":
+            return None
+        device = self.paged.device
+        return lambda: torch.cuda.set_device(device)
+
     def open_store(self) -> None:
-        store = TieredStore(self.config, unavailable=partial(tier_unavailable, self.counters))
+        init = self._thread_init()
+        store = TieredStore(self.config, unavailable=self._left_out, thread_init=init)
         faults = self.connector.inject_faults
         if faults:
             from kvtier.tiers.faulty import FaultyTier
@@ -134,11 +154,12 @@ class WorkerRole:
             for tier in store.tiers:
                 if tier.journal is not None:
                     tier.journal.enable()
-                tier.read_evictions()  # start at the pool's eviction log's end
+            # The pool's eviction log lives on a shared filesystem: read off the engine thread.
+            self._evictions = EvictionReader(store.tiers, EVICTIONS_READ_S, init)
         self._tier_order = {t.name: i for i, t in enumerate(store.levels)}
         self.store = store
         if self.paged is not None:
-            self.mover = PageMover(self.paged, store, self.blocks_per_chunk)
+            self.mover = PageMover(self.paged, store, self.blocks_per_chunk, thread_init=init)
 
     def _usable(self) -> PageMover | None:
         return None if self.disabled else self.mover
@@ -163,16 +184,27 @@ class WorkerRole:
             return event
         return time.perf_counter()
 
+    def handle_preemptions(self) -> None:
+        """Called by vLLM's runner at the start of a step, before it touches any block (zeroing
+        reused blocks, preempted requests' blocks going to others): the compute stream waits for
+        the gathers of the saves issued so far, so none of them copies a block overwritten after."""
+        if self.mover is not None:
+            self.mover.fence()
+
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         for load in meta.loads:
             mover = self._usable()
             ids = self._shard_ids(load.chunk_ids)
             if mover is not None and not load.background:
-                self._finish_load(load, mover.load(ids, load.block_ids, tenant_salt=load.salt))
+                got = mover.load(ids, load.block_ids, tenant_salt=load.salt)
+                self._finish_load(load, got)
+                self._sync_loads.append((load.req_id, got.num_chunks == len(load.chunk_ids)))
             elif mover is None:  # disabled: every block is a load error, and a background load is over
                 self._finish_load(load, Loaded(0, (), 0.0))
                 if load.background:
                     self._recved.add(load.req_id)
+                else:
+                    self._sync_loads.append((load.req_id, False))
             else:
                 self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids, tenant_salt=load.salt), load)
 
@@ -261,14 +293,11 @@ class WorkerRole:
         if not self.events or self.store is None:
             return []
         out: list[tuple[str, bool, bytes]] = []
-        read_log = time.monotonic() - self._evictions_read >= EVICTIONS_READ_S
-        if read_log:
-            self._evictions_read = time.monotonic()
         for tier in self.store.tiers:
             if tier.journal is not None:  # host DRAM's changes travel apart: host_changes
                 out.extend((tier.name, added, key) for added, key in tier.journal.drain())
-            if read_log:
-                out.extend((tier.name, False, key) for key in tier.read_evictions())
+        if self._evictions is not None:
+            out.extend((name, False, key) for name, key in self._evictions.drain())
         return out
 
     def report(self) -> KVTierWorkerMeta | None:
@@ -276,14 +305,18 @@ class WorkerRole:
         changes = self.store.host.drain_changes() if self.store is not None and self.store.host else []
         tier_changes = self._tier_changes()
         disabled = self.disabled and not self._reported_disabled
-        if not changes and not tier_changes and not self._reads and not self._prefill_samples and not disabled:
+        if not changes and not tier_changes and not self._reads and not self._prefill_samples and not disabled \
+                and not self._sync_loads and not self._unavailable:
             return None
         self._reported_disabled = self.disabled
         reads, self._reads = self._reads, []
         prefill, self._prefill_samples = self._prefill_samples, []
+        sync_loads, self._sync_loads = self._sync_loads, []
+        unavailable, self._unavailable = self._unavailable, []
         return KVTierWorkerMeta(host_changes={self.rank: [(added, bytes(key)) for added, key in changes]},
                                 reads=reads, prefill=prefill, disabled=[self.rank] if disabled else [],
-                                tier_changes=tier_changes)
+                                tier_changes=tier_changes, sync_loads=sync_loads,
+                                unavailable={self.rank: unavailable} if unavailable else {})
 
     @property
     def loads_in_flight(self) -> int:
@@ -297,9 +330,47 @@ class WorkerRole:
         return self.store.metrics_snapshot() if self.store is not None else {}
 
     def close(self) -> None:
+        if self._evictions is not None:
+            self._evictions.close()
         for job, _ in self._jobs.values():
             job.stop()
         if self.mover is not None:
             self.mover.close()
         if self.store is not None:
             self.store.close()
+
+
+class EvictionReader:
+    """Reads the tiers' eviction logs (the shared pool's ``.evicted``) every ``interval_s`` on a
+    thread of its own, so a slow or hung shared filesystem never stalls the engine's step; keeps
+    at most ``MAX_EVICTIONS_QUEUED`` keys (the oldest go first) until ``drain``."""
+
+    def __init__(self, tiers: Sequence[Tier], interval_s: float, init: ThreadInit | None = None) -> None:
+        self._tiers = list(tiers)
+        self._interval_s = interval_s
+        self._keys: collections.deque[tuple[str, bytes]] = collections.deque(maxlen=MAX_EVICTIONS_QUEUED)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failures = Failures()
+        for tier in self._tiers:
+            tier.read_evictions()  # start at the log's end (only later evictions are news)
+        self._thread = thread(self._run, "kvtier-evictions", init)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            for tier in self._tiers:
+                keys = self._failures.call(f"reading the {tier.name} tier's evictions", tier.read_evictions)
+                if not keys:
+                    continue
+                with self._lock:
+                    self._keys.extend((tier.name, key) for key in keys)
+
+    def drain(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            out = list(self._keys)
+            self._keys.clear()
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
