@@ -93,14 +93,16 @@ class PoolTier(TierBase):
         self.capacity_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
         self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io, group_access=group_access)
+        self._lock_warned = False
         try:
             # Created here with the directory's file mode (group members must open it too);
-            # a symlink planted in its place is refused, never followed.
-            os.close(self.files.create_file(self.files.root / ".lock", os.O_RDWR))
+            # a symlink planted in its place is refused, never followed, and (like a FIFO
+            # there) costs only the lock: the probe below warns and counts it.
+            os.close(self.files.create_file(self.files.root / ".lock", os.O_RDWR | os.O_NONBLOCK))
         except OSError as exc:
-            raise TierUnavailableError(f"cannot use {self.files.root / '.lock'} as the pool's lock file: "
-                                       f"{exc.strerror or exc}") from exc
-        self._lock_warned = False
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise TierUnavailableError(f"cannot use {self.files.root / '.lock'} as the pool's lock file: "
+                                           f"{exc.strerror or exc}") from exc
         self.lock_works = self._probe_lock()
         if sync_bytes is None:
             sync_bytes = 64 << 20 if capacity_bytes is None else max(1 << 20, min(256 << 20, capacity_bytes // 32))

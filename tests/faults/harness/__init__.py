@@ -3,13 +3,14 @@
 Each scenario injects one kind of fault a given number of times (or for a given time) into a
 real component (files, processes, a vLLM engine) and returns ``FaultRow``s: how often the
 fault was injected and what came of it. The scenarios are this package's modules (``hostile``,
-``crash``, ``concurrency``, ``engine``); the pytest files beside the package (``tests/faults/
+``adversary``, ``crash``, ``concurrency``, ``engine``); the pytest files beside the package (``tests/faults/
 test_*.py``) run every scenario at the ``ci`` scale and assert the outcome; ``stress.py`` runs
 them at the ``full`` scale and writes the table in docs/reliability-record.md.
 
 The promise each row checks: a fault costs at most a recompute (a miss, a shorter prefix),
 never a wrong answer (``wrong``), never a published chunk (``lost``), never a crash
-(``crashes``) of a process that was not the fault's target.
+(``crashes``) of a process that was not the fault's target, never a call or thread that does
+not return (``stuck``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class FaultRow:
     """Chunks whose publish returned but that were gone later without being evicted. Must be 0."""
     crashes: int = 0
     """Processes that died though they were not the fault's target. Must be 0."""
+    stuck: int = 0
+    """Calls (or threads) that never returned: a FIFO read, a hung tier, a dead writer's flush. Must be 0."""
     seconds: float = 0.0
     notes: str = ""
     control: bool = False
@@ -52,6 +55,7 @@ class FaultRow:
         assert self.wrong == 0, f"{self.fault}: {self.wrong} wrong answers ({self.notes})"
         assert self.lost == 0, f"{self.fault}: {self.lost} published chunks lost ({self.notes})"
         assert self.crashes == 0, f"{self.fault}: {self.crashes} crashes ({self.notes})"
+        assert self.stuck == 0, f"{self.fault}: {self.stuck} stuck calls ({self.notes})"
         assert self.served == self.requests, f"{self.fault}: {self.requests - self.served} requests not served"
         assert self.identical == self.served, f"{self.fault}: {self.served - self.identical} not compared equal"
 
@@ -116,11 +120,11 @@ def is_root() -> bool:
 
 
 def markdown_table(rows: list[FaultRow]) -> str:
-    head = "| fault | injected | requests | served | identical | wrong | lost | crashes | seconds | notes |"
-    lines = [head, "|" + "---|" * 10]
+    head = "| fault | injected | requests | served | identical | wrong | lost | crashes | stuck | seconds | notes |"
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(f"| {r.fault} | {r.injected} | {r.requests} | {r.served} | {r.identical} | {r.wrong} | "
-                     f"{r.lost} | {r.crashes} | {r.seconds:.1f} | {r.notes} |")
+                     f"{r.lost} | {r.crashes} | {r.stuck} | {r.seconds:.1f} | {r.notes} |")
     return "\n".join(lines)
 
 

@@ -103,8 +103,14 @@ def _local_dir(model: str, revision: str | None) -> Path | None:
         return None
 
 
+def _default(value: Any) -> str:
+    # str() of an object without a JSON form; never its memory address, which differs between
+    # the scheduler's and the workers' processes (their keys must agree).
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
+
+
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
+    return json.loads(json.dumps(value, sort_keys=True, default=_default))
 
 
 def model_identity(vllm_config: Any) -> dict[str, str]:
@@ -129,8 +135,11 @@ def model_identity(vllm_config: Any) -> dict[str, str]:
     info["hf_overrides"] = blake3(json.dumps(_jsonable(getattr(mc, "hf_overrides", None) or {}),
                                              sort_keys=True).encode()).hexdigest()[:16]
     if load_format != "dummy":
-        root = _local_dir(str(mc.model), getattr(mc, "revision", None))
-        info["weights"] = content_digest(root) if root is not None else ""
+        if os.path.isfile(str(mc.model)):  # a single-file checkpoint (GGUF)
+            info["weights"] = blake3(_file_digest(Path(str(mc.model)))).hexdigest()
+        else:
+            root = _local_dir(str(mc.model), getattr(mc, "revision", None))
+            info["weights"] = content_digest(root) if root is not None else ""
         if not info["weights"]:
             log.warning("kvtier: found no weight files of %s to identify its content; its KV is keyed by name, "
                         "revision and config only (replace weights behind a path only with a new path)", mc.model)
