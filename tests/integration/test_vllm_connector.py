@@ -134,12 +134,15 @@ def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
     pool, tmp = runs["pool"], runs["tmp"]
     files = sorted(pool.glob("??/??/*.kvt"))
     assert len(files) > 10
-    flipped, truncated, swapped = files[0], files[3], files[6]
+    # The first chunk of three fresh prompts: chunks a fresh engine is sure to read (a file picked
+    # by name might be a decode-saved chunk no prompt here reaches).
+    flipped, truncated, swapped = (first_chunk_file(pool, prompts()[i]) for i in (8, 11, 13))
     data = bytearray(flipped.read_bytes())
     data[len(data) // 2] ^= 0xFF
     flipped.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:5000])
-    swapped.write_bytes(files[9].read_bytes())  # a valid chunk of another prompt under this name
+    donor = next(f for f in files if f not in (flipped, truncated, swapped))
+    swapped.write_bytes(donor.read_bytes())  # a valid chunk of another prompt under this name
     ref, _ = runs["reference"]
     got, metrics = run_engine(model, tmp, "faulty",
                               {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"fs://{pool}", **ALWAYS})
@@ -151,6 +154,23 @@ def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
     from kvtier.admin import check_file
 
     assert [check_file(f) for f in (flipped, truncated, swapped)] == [None, None, None]
+
+
+def first_chunk_file(pool: Path, prompt: list[int]) -> Path:
+    """The pool file of ``prompt``'s first chunk (its parent key is the namespace digest, which
+    every header in this pool carries)."""
+    import numpy as np
+    from blake3 import blake3
+
+    from kvtier.format import unpack_header
+    from kvtier.keys import recompute_key
+    from kvtier.tiers.files import ChunkFiles
+
+    namespace = unpack_header(next(pool.glob("??/??/*.kvt")).read_bytes()[:4096]).namespace
+    digest = blake3(np.asarray(prompt[:CHUNK], dtype="<u4").tobytes()).digest()
+    path = ChunkFiles(pool, create=False).path_for(recompute_key(namespace, digest))
+    assert path.exists(), path
+    return path
 
 
 def test_redis_pool_resumes_in_a_fresh_engine(model: Path, runs: dict[str, Any],
