@@ -11,7 +11,7 @@ BEFORE=${1:?usage: benchmarks/side_by_side.sh BEFORE_REF [AFTER_REF] [OUT] [ROUN
 AFTER=${2:-HEAD}
 OUT=$(realpath -m "${3:-results/side}")
 ROUNDS=${4:-2}
-PY=$(realpath "${PYTHON:-.venv/bin/python}")
+PY=$(realpath -s "${PYTHON:-.venv/bin/python}")  # -s: a venv's python is a symlink; resolved, it leaves the venv
 TREES=$(mktemp -d)
 trap 'git worktree remove --force "$TREES/before" 2>/dev/null; git worktree remove --force "$TREES/after" 2>/dev/null; rm -rf "$TREES"' EXIT
 git worktree add -q --detach "$TREES/before" "$BEFORE"
