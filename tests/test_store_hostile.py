@@ -187,14 +187,17 @@ def test_retention_state_and_queue_are_bounded(tiny):
         retention.close()
 
 
-def test_every_cache_salt_costs_a_bounded_spec_cache_and_namespace_files(make_store, tiny, tmp_path):
+def test_every_cache_salt_costs_a_bounded_spec_cache_and_namespace_files(make_store, tiny, tmp_path, monkeypatch):
+    from kvtier import store as store_module
     from kvtier.store import MAX_DESCRIBED
 
+    monkeypatch.setattr(store_module, "MAX_SPECS", 64)  # reached by the salts below (4096 is too many here)
     store = make_store(pool_url=f"fs://{tmp_path / 'pool'}")
     tokens = tiny.tokens(16)
     for i in range(MAX_DESCRIBED + 40):
         store.lookup(tokens, tenant_salt=f"tenant-{i}")
         store._spec(store._namespace(f"tenant-{i}"))
+    assert len(store._specs) == 64  # least recently used dropped
     files = list((tmp_path / "pool" / "namespaces").glob("*.json"))
     assert len(files) == MAX_DESCRIBED  # the store's own namespace and the first salted ones
     assert store.store_metrics.snapshot().undescribed_namespaces == 41

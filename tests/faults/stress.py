@@ -1,6 +1,6 @@
 """Run the fault matrix on purpose, at full scale, and write the table of docs/reliability-record.md.
 
-    python tests/faults/stress.py                       # full scale: about 25 min on 2 cores
+    python tests/faults/stress.py                       # full scale: about 20 min on 2 cores
     python tests/faults/stress.py --scale ci            # what CI runs (a few minutes)
     python tests/faults/stress.py --only "writer SIGKILL mid-write"
 

@@ -238,9 +238,14 @@ def _salt_flood(scale: Scale, work: Path) -> FaultRow:
     row = FaultRow(f"{n} distinct cache_salts", injected=n)
     config = StoreConfig(model_id=MODEL_ID, layout=LAYOUT, chunk_tokens=CHUNK_TOKENS, host_bytes=1 << 20,
                          pool_url=f"fs://{work / 'pool'}", io_threads=2)
+    first = prompts[0].tokens[:CHUNK_TOKENS], prompts[0].chunk_kv(0)
     with TieredStore(config) as store:
         for i in range(n):
-            store.lookup(prompts[0].tokens, tenant_salt=f"salt-{rng.getrandbits(64)}-{i}")
+            # What a request under a new salt costs: a lookup (a miss) and the save of what it
+            # computed. The save is what makes a spec and a namespace file (a lookup makes none).
+            salt = f"salt-{rng.getrandbits(64)}-{i}"
+            store.lookup(first[0], tenant_salt=salt)
+            store.put(first[0], first[1], tenant_salt=salt)
         salted = [f"kept-{i}" for i in range(scale.corrupt_files)]
         for salt in salted:
             store.put(prompts[0].tokens, prompts[0].kv, tenant_salt=salt)
