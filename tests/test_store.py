@@ -102,6 +102,20 @@ def test_round_trip_through_each_lower_tier_alone(make_store, tiny, tmp_path, bi
     assert [(c.index, c.tier) for c in loaded] == [(i, tier) for i in range(4)]
 
 
+def test_put_chunk_now_writes_every_tier_before_it_returns(make_store, tiny, tmp_path, bits_equal):
+    """The synchronous write (SGLang's backup thread): no queue, no host DRAM, a true answer."""
+    store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p")
+    tokens, kv = tiny.tokens(32, seed=6), tiny.kv(32, seed=6)
+    first, second = store.chunk_ids(tokens)
+    assert store.put_chunk_now(first, kv[:, :, :16]) is True
+    assert store.write_queue == 0 and store.lookup(tokens).chunk_tiers == ("disk",)  # no flush needed
+    assert len(_kvt_files(tmp_path / "d")) == 1 and len(_kvt_files(tmp_path / "p")) == 1
+    assert store.put_chunk_now(first, kv[:, :, :16]) is True  # already there: still true
+    assert store.put_chunk_now(second, lambda buf: buf.copy_(kv[:, :, 16:])) is True
+    bits_equal(store.get(tokens), kv)
+    assert make_store(host_bytes=0).put_chunk_now(first, kv[:, :, :16]) is False  # no tier to hold it
+
+
 def test_begin_put_is_invisible_until_committed_and_abandon_frees_it(make_store, tiny, tmp_path, bits_equal):
     store = make_store(disk_path=str(tmp_path / "d"))
     tokens, kv = tiny.tokens(32, seed=4), tiny.kv(32, seed=4)

@@ -170,7 +170,7 @@ def test_host_bytes_is_a_total_shared_by_the_tensor_parallel_ranks() -> None:
 
 def test_the_model_is_keyed_by_its_weights_not_its_path(tmp_path: Any) -> None:
     """Before: new weights behind the same path read the old weights' KV."""
-    from kvtier.integrations.vllm.identity import content_digest, model_digest
+    from kvtier.identity import content_digest, model_digest
 
     model = tmp_path / "current"
     model.mkdir()
@@ -262,7 +262,7 @@ def test_a_reused_client_uuid_never_keys_other_content() -> None:
 
 
 def test_a_lora_adapter_is_keyed_by_its_content(tmp_path: Any) -> None:
-    from kvtier.integrations.vllm.identity import AdapterIdentities
+    from kvtier.identity import AdapterIdentities
 
     adapters = AdapterIdentities()
     path = tmp_path / "adapter"

@@ -51,7 +51,7 @@ class Namespace:
     """How the payload bytes are laid out: ``kvtier`` (the canonical ``[layers, 2, tokens,
     heads, head_dim]``) or an engine's own paged format (e.g. ``vllm-cpu-vec-bs128``)."""
     model_digest: str = ""
-    """The content of the model's weights and config (``integrations/vllm/identity.py``): new
+    """The content of the model's weights and config (``identity.py``): new
     weights behind the same ``model_id`` get a namespace of their own. Empty: not known (the
     field is then left out of the digest, so namespaces made without it keep theirs)."""
 

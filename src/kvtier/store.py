@@ -584,6 +584,30 @@ class TieredStore:
         self._check_open()
         return self._put_chunk(cid, data, self._spec(self._namespace(tenant_salt)), skip_tiers)
 
+    def put_chunk_now(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None], *,
+                      tenant_salt: str | None = None) -> bool:
+        """Write one chunk to every tier below host DRAM on the calling thread, bypassing host
+        DRAM and the write queue: True once every tier holds it (stored now or already there).
+
+        For integrations whose engine keeps its own host copy and calls from a background
+        thread of its own (SGLang's HiCache backup thread): the answer is true, nothing is
+        dropped, and a slow tier slows the caller (back-pressure) instead of filling a queue.
+        ``data`` is as for ``put_chunk``; the retention of a session applies as it lands.
+        """
+        self._check_open()
+        spec = self._spec(self._namespace(tenant_salt))
+        raw = self._buffers.take()
+        try:
+            buffer = torch.from_numpy(raw[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes]).view(
+                self.layout.dtype).view(self.layout.shape(self.chunk_tokens))
+            if callable(data):
+                data(buffer)
+            else:
+                buffer.copy_(data)
+            return bool(self.tiers) and self._writer.write_now(Chunk(cid, buffer), spec, self.tiers)
+        finally:
+            self._buffers.give(raw)
+
     def begin_put(self, cid: ChunkId, *, tenant_salt: str | None = None,
                   skip_tiers: Collection[str] = ()) -> PendingPut | None:
         """Room for one chunk that the caller fills, possibly later (an asynchronous copy).

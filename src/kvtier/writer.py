@@ -58,6 +58,12 @@ class BackgroundWriter:
                 tier.metrics.add(dropped_writes=1)
             return False
 
+    def write_now(self, chunk: Chunk, spec: ChunkSpec, tiers: Sequence[Tier]) -> bool:
+        """Write ``chunk`` to ``tiers`` on the calling thread (no queue, nothing dropped): True
+        when every tier stored it or already had it. For callers whose own thread is the
+        background (SGLang's backup thread), which want back-pressure and a true answer."""
+        return all([self._write(_Write(chunk, spec, tiers, None), tier) for tier in tiers])
+
     @property
     def queued(self) -> int:
         return self._queue.qsize()
@@ -88,15 +94,17 @@ class BackgroundWriter:
                     self._failures.call("the writer's release of a written chunk", item.on_done)
                 self._queue.task_done()
 
-    def _write(self, item: _Write, tier: Tier) -> None:
+    def _write(self, item: _Write, tier: Tier) -> bool:
         try:
             result = tier.store(item.chunk, item.spec)
         except Exception:  # a tier bug must not kill the writer thread
             tier.metrics.add(failed_writes=1)
             self._failures.record(f"the {tier.name} tier's store")
-            return
+            return False
         if result.status is Status.FAILED:
             log.debug("write to %s failed: %s", tier.name, result.error)
-        elif self._after_store is not None:
+            return False
+        if self._after_store is not None:
             self._failures.call("the writer's after-store hook (retention)", self._after_store, tier,
                                 item.chunk.id.key)
+        return True

@@ -264,7 +264,7 @@ def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
     layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
               or "unresolved")
     fmt = kv_format(vllm_config, spec, layout, page_bytes)
-    from kvtier.integrations.vllm.identity import model_digest
+    from kvtier.identity import model_digest
 
     dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
     dp_rank = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0) if dp_size > 1 else 0

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from blake3 import blake3
 
-from kvtier.integrations.vllm.identity import AdapterIdentities
+from kvtier.identity import AdapterIdentities
 from kvtier.keys import ChunkId
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import leading_held

@@ -1,4 +1,5 @@
-"""What a model and a LoRA adapter *are*, beyond their paths: the identity that enters the keys.
+"""What a model and a LoRA adapter *are*, beyond their paths: the identity that enters the keys
+(engine-free: the vLLM and SGLang integrations both use it).
 
 KV bytes depend on the weights, not on where they lie. A namespace keyed by the model's path
 alone serves the old weights' KV once an operator points ``/models/current`` at new ones (or
