@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the venv that runs kvtier's SGLang HiCache backend tests (tests/sglang/) and
+# Build the venv that runs kvtier's SGLang HiCache backend tests (tests/hicache/) and
 # benchmark (benchmarks/sglang_backend.py): sglang 0.5.23 with the torch it pins (2.14.1,
 # a CUDA build that imports and runs on CPU) and kvtier installed editable.
 #

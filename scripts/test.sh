@@ -2,7 +2,7 @@
 # Install everything the tests need into .venv-test (created here) and run them.
 # Usage: scripts/test.sh [pytest args...]
 # With no arguments (the full run, CI's) it then builds the SGLang venv (scripts/sglang-venv.sh,
-# .venv-sglang, about 2.5 minutes the first time) and runs tests/sglang/ there; set
+# .venv-sglang, about 2.5 minutes the first time) and runs tests/hicache/ there; set
 # KVTIER_TEST_SGLANG=0 to skip that part, =1 to run it with arguments too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,6 @@ SGLANG=${KVTIER_TEST_SGLANG:-$([ $# -eq 0 ] && echo 1 || echo 0)}
 if [ "$SGLANG" = 1 ]; then
     SGL_VENV=${KVTIER_SGLANG_VENV:-.venv-sglang}
     PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV"
-    # SGLang's storage path on CPU: its factory, host pool and HiCache controller (tests/sglang).
-    PYTHONWARNINGS=ignore "$SGL_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/sglang
+    # SGLang's storage path on CPU: its factory, host pool and HiCache controller (tests/hicache).
+    PYTHONWARNINGS=ignore "$SGL_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/hicache
 fi

@@ -1,6 +1,6 @@
 """The SGLang backend's engine-free half (``integrations/sglang/pages.py``): page names as chunk
 identities, the namespace each rank gets, and the settings it accepts. SGLang itself is tested
-in tests/sglang/ (its own venv)."""
+in tests/hicache/ (its own venv)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ Contracts (sglang 0.5.23's ``HiCacheStorage``, as its ``HiCacheController`` call
 * ``batch_exists`` is the number of leading keys held (file-system metadata only);
   ``batch_get_v1`` / ``batch_get`` read the leading run of pages in parallel (``io_threads`` per
   tier) straight into the host pool; a page after the first miss is reported ``False``.
-* ``batch_set_v1`` / ``batch_set`` write on the calling thread (SGLang's backup thread) to
-  every tier, returning only once the pages are there: nothing is queued or dropped, and a slow
+* ``batch_set_v1`` / ``batch_set`` write a batch's pages in parallel (``io_threads``) to every
+  tier while SGLang's backup thread waits, returning only once the pages are there: nothing is queued or dropped, and a slow
   pool slows the backup instead of losing pages. A page already held is not rewritten.
 * Each TP rank answers for its own shard of a page (MLA: the one shared page), and the
   controller takes the minimum across ranks; ranks that are not storage writers (MLA ranks
@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvtier.integrations.sglang.pages import BackendSettings, PageGeometry, Parallel, page_chunk_id, store_config
 from kvtier.keys import ChunkId
 from kvtier.store import TieredStore
-from kvtier.threads import Failures
+from kvtier.threads import Failures, executor
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         config = store_config(self.settings, self.geometry, self.parallel, self.storage_config.model_name)
         self.store = TieredStore(config)
         self.failures = Failures(self.store.store_metrics)
+        self._writers = executor(config.io_threads, "kvtier-sglang-write")
         if not self.store.tiers:
             log.warning("kvtier: no disk_path or pool_url given: SGLang's L3 storage holds nothing")
         log.info("kvtier HiCache storage (TP rank %d of %d): %s", self.parallel.tp_rank, self.parallel.tp_size,
@@ -181,11 +182,19 @@ class KVTierHiCacheStorage(HiCacheStorage):
         ids = self._ids(keys)
         start = time.perf_counter()
         out = [False] * len(keys)
-        for i, cid in enumerate(ids):
+        store = self.store
+
+        def write(i: int) -> None:
             try:
-                out[i] = self.store.put_chunk_now(cid, fills[i])
+                out[i] = store.put_chunk_now(ids[i], fills[i])
             except Exception:
                 self.failures.record("the SGLang backend's write")
+
+        # A batch's pages are written in parallel (io_threads at once), like its reads.
+        try:
+            list(self._writers.map(write, range(len(ids))))
+        except RuntimeError:  # closed
+            return [False] * len(keys)
         self._record("backup", sum(out), time.perf_counter() - start)
         return out
 
@@ -248,4 +257,5 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self._metrics_server.shutdown()
             self._metrics_server = None
         if self.store is not None:
+            self._writers.shutdown(wait=True)
             self.store.close()

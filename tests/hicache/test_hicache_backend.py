@@ -179,6 +179,7 @@ def test_hostile_keys_and_indices_are_misses_not_exceptions(tmp_path: Path) -> N
     finally:
         b.close()
     assert b.batch_exists([good]) == 0 and b.batch_get_v1([good], idx[: hc.PAGE]) == [False]  # closed
+    assert b.batch_set_v1([good], idx[: hc.PAGE]) == [False]
 
 
 def test_tp2_ranks_write_their_own_shards_and_agree_on_hits(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ operation to the I/O thread) is done here, in the same order.
 
 Also a command line, so that a second process reads what a first wrote::
 
-    python tests/sglang/_hicache.py write|read --backend kvtier|file --dir D --seed S ...
+    python tests/hicache/_hicache.py write|read --backend kvtier|file --dir D --seed S ...
 
 prints one JSON line: the page hashes, the tokens the controller reported, and a digest of
 the bytes that landed in the host pool.
