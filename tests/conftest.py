@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from gluster import gluster, gluster_pool  # noqa: F401  (fixtures: a GlusterFS volume mounted twice)
 from kvtier import KVLayout, StoreConfig, TieredStore
 from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, Namespace, chunk_ids
