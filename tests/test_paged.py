@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from kvtier.integrations.paged import LayoutError, PagedKV, block_runs
+from kvtier.integrations.paged import LayoutError, PagedKV, block_runs, head_dim_of
 
 BLOCKS, HEADS, BS, D, LAYERS = 10, 2, 4, 8, 3
 
@@ -157,3 +157,84 @@ def test_every_layout_pair_of_views_covers_disjoint_bytes() -> None:
                 addr = base + b * run.stride(0) + j
                 assert addr not in seen
                 seen.add(addr)
+
+
+# -- head shards: a head's bytes do not depend on how many heads the tensor holds ------------------
+
+def one_head_of(layers: list[torch.Tensor], head: int, order: tuple[int, ...] | None,
+                dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """The same layout holding only ``head`` (what a rank at tensor parallel HEADS holds)."""
+    if order is None:  # [2, B, N, H, D] or [B, 2, N, H, D]
+        return [t[:, :, :, head:head + 1].contiguous() for t in layers]
+    out = vllm_views(order, dtype=dtype, heads=1)
+    for dst, src in zip(out, layers, strict=True):
+        dst.copy_(src[:, head:head + 1])
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (random bytes viewed as bf16 hold NaNs, which ``torch.equal`` calls unequal)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def split_halves_layout() -> list[torch.Tensor]:
+    """K and V in separate page halves: per layer [num_blocks, 2, block_size, kv_heads, head_dim]."""
+    return [torch.randn(BLOCKS, 2, BS, HEADS, D).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+HEAD_CASES = {**{name: (order, lambda order=order: vllm_views(order)) for name, order in LAYOUTS.items()},
+              "cpu": (LAYOUTS["LBHNC"], cpu_layout), "kv-major": (None, kv_major_layout),
+              "split-halves": (None, split_halves_layout)}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_CASES))
+def test_a_heads_shard_is_the_same_bytes_at_any_tensor_parallel_size(case: str) -> None:
+    order, make = HEAD_CASES[case]
+    whole_layers = make()
+    dims = [head_dim_of(t, HEADS) for t in whole_layers]
+    assert None not in dims
+    whole = PagedKV(whole_layers, BLOCKS, heads=HEADS, head_dims=dims)
+    for head in range(HEADS):
+        part_layers = one_head_of(whole_layers, head, order)
+        part = PagedKV(part_layers, BLOCKS, heads=1, head_dims=[head_dim_of(t, 1) for t in part_layers])
+        assert part.block_bytes == whole.block_bytes == sum(len(block_bytes(t, 0)) for t in part_layers)
+        a, b = chunk_for(whole, 2), chunk_for(part, 2)
+        whole.gather([6, 1], a, shard=head)
+        part.gather([6, 1], b)
+        assert torch.equal(a, b), head
+        # and back: the one-head chunk lands in the right head of the right blocks, nothing else
+        dst_layers = [torch.zeros_like(t) for t in whole_layers] if order is None else \
+            vllm_views(order, heads=HEADS)
+        before = [t.clone() for t in dst_layers]
+        dst = PagedKV(dst_layers, BLOCKS, heads=HEADS, head_dims=dims)
+        dst.scatter(b, [3, None], shard=head)
+        hd = dims[0]
+        for t, old, src in zip(dst_layers, before, whole_layers, strict=True):
+            got = t.select(hd, head)
+            want = src.select(hd, head)
+            blocks_dim = 1 if case == "kv-major" else 0
+            assert same_bytes(got.select(blocks_dim, 3), want.select(blocks_dim, 6))
+            others = torch.tensor([i for i in range(HEADS) if i != head])
+            assert same_bytes(t.index_select(hd, others), old.index_select(hd, others))
+            rest = torch.tensor([i for i in range(BLOCKS) if i != 3])
+            assert same_bytes(got.index_select(blocks_dim, rest), old.select(hd, head).index_select(blocks_dim, rest))
+
+
+def test_head_shards_of_kernel_blocks_and_mla() -> None:
+    layers = vllm_views(LAYOUTS["LBNHC"], kernel_split=2)
+    paged = PagedKV(layers, BLOCKS, heads=HEADS, head_dims=[head_dim_of(t, HEADS) for t in layers])
+    assert paged.block_bytes * HEADS == PagedKV(layers, BLOCKS).block_bytes
+    mla = vllm_views(LAYOUTS["LBHNC"], heads=1, content=72)
+    one = PagedKV(mla, BLOCKS, heads=1, head_dims=[None] * LAYERS)
+    legacy = PagedKV(mla, BLOCKS)
+    a, b = chunk_for(one, 1), chunk_for(legacy, 1)
+    one.gather([2], a)
+    legacy.gather([2], b)
+    assert torch.equal(a, b)  # one head: the same bytes as the whole page
+
+
+def test_a_head_dimension_that_is_not_there_is_a_layout_error() -> None:
+    layers = cpu_layout()
+    assert head_dim_of(torch.empty(BLOCKS, 3, 3), HEADS) is None
+    with pytest.raises(LayoutError, match="heads"):
+        PagedKV(layers, BLOCKS, heads=3, head_dims=[1] * LAYERS)

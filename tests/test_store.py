@@ -266,6 +266,59 @@ def test_lower_tier_hit_falls_back_past_a_corrupt_faster_copy(make_store, tiny, 
     assert store.metrics_snapshot()["tiers"]["disk"]["corrupt_chunks"] == 1
 
 
+def test_a_load_told_where_its_chunks_are_looks_nothing_up_and_falls_back_only_on_a_miss(
+        make_store, tiny, tmp_path, bits_equal):
+    store = make_store(disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p")
+    tokens, kv = tiny.tokens(64, seed=4), tiny.kv(64, seed=4)
+    store.put(tokens, kv)
+    store.flush()
+    ids = store.chunk_ids(tokens)
+    assert store.host.evict(0) == 4
+    pool_stats = store.tiers[1].files.lookup_stats
+    found = store.lookup(tokens).chunk_tiers
+    assert found == ("disk",) * 4
+    stats = pool_stats.value
+    store.tiers[0].files.remove(ids[1].key)  # gone from disk since the lookup: read from the pool
+    out = torch.empty_like(kv)
+    got: dict[int, torch.Tensor] = {}
+    loaded = store.load_into(ids, lambda i, d: got.__setitem__(i, d.clone()), tiers=found, promote=False)
+    assert loaded.chunk_tiers == ("disk", "pool", "disk", "disk")
+    for i in range(4):
+        out[:, :, i * C:(i + 1) * C] = got[i]
+    bits_equal(out, kv)
+    snap = store.metrics_snapshot()
+    assert snap["store"]["load_lookups"] == 0 and pool_stats.value == stats  # no second lookup
+    # A hint of host DRAM that no longer holds the chunk falls back to the tiers below.
+    loaded = store.load_into(ids[:2], lambda i, d: None, tiers=("host", "host"))
+    assert loaded.chunk_tiers == ("disk", "pool")
+    # Without a hint the load looks its chunks up itself, and says so.
+    store.load_into(ids, lambda i, d: None)
+    assert store.metrics_snapshot()["store"]["load_lookups"] == 4
+
+
+def test_pool_lookups_run_in_parallel_and_remember_misses_briefly(make_store, tiny, tmp_path):
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path}/p", lookup_negative_ttl_s=0.3)
+    pool = store.tiers[0]
+    tokens = tiny.tokens(40 * C, seed=5)
+    store.put(tokens[:30 * C], tiny.kv(30 * C, seed=5))
+    store.flush()
+    stats = pool.files.lookup_stats
+    assert store.lookup(tokens).num_tokens == 30 * C
+    time.sleep(0.05)  # stats still running past the miss (a window is asked at once) end
+    assert 31 <= stats.value <= 40  # every hit and the miss, a few past it in the last window at most
+    missing = store.chunk_ids(tokens)[30:31]
+    before = stats.value
+    assert pool.lookup(missing) == 0 and pool.lookup(missing) == 0
+    assert stats.value - before <= 1  # remembered as absent: asked once at most (the first pass may have)
+    time.sleep(0.35)
+    before = stats.value
+    assert pool.lookup(missing) == 0
+    assert stats.value - before == 1  # forgotten after the ttl: asked again
+    store.put(tokens, tiny.kv(40 * C, seed=5))  # this store's own write is seen at once
+    store.flush()
+    assert store.lookup(tokens).num_tokens == 40 * C
+
+
 def test_tenant_salt_separates_and_round_trips_through_the_pool(make_store, tiny, tmp_path, bits_equal):
     store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path}/p")
     tokens, kv = tiny.tokens(32), tiny.kv(32)

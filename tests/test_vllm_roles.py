@@ -59,7 +59,7 @@ def vllm_config(tp: int = 1, pp: int = 1, policy: str = "recompute", extra: dict
                                         decode_context_parallel_size=1, rank=0),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout=None, block_size=BS),
         device_config=SimpleNamespace(device_type="cuda"), attention_config=None,
-        model_config=SimpleNamespace(model="tiny"))
+        model_config=SimpleNamespace(model="tiny", get_total_num_kv_heads=lambda: HEADS * tp))
 
 
 # ---------------------------------------------------------------- configuration
@@ -102,9 +102,47 @@ def test_deployment_names_layout_page_and_backend_and_sizes_chunks_in_page_bytes
     dep = deployment(vllm_config(tp=2), kv_config(full_spec()))
     page = HEADS * BS * 2 * HEAD * 2  # heads x tokens x (K + V) x bf16
     assert dep.layer_block_bytes == page and dep.num_layers == 2
-    assert dep.kv_format == f"vllm-cuda-auto-LBHNC-bs{BS}-auto-bfloat16-FullAttentionSpec-page{page}"
-    assert dep.sharding == Sharding(2, 2)
-    assert dep.layout.bytes_per_token * BS == dep.num_layers * page  # a chunk is its pages' bytes
+    # One KV head is one shard: the format names a head's page, not the rank's.
+    assert dep.kv_format == f"vllm-cuda-auto-LBHNC-bs{BS}-auto-bfloat16-FullAttentionSpec-page{page // HEADS}"
+    assert dep.sharding == Sharding(2, 2 * HEADS)
+    assert [list(dep.sharding.shards_of(r)) for r in (0, 1)] == [[0, 1], [2, 3]]
+    assert dep.layout.bytes_per_token * BS == dep.num_layers * page // HEADS  # a chunk is its pages' bytes
+
+
+def test_the_same_model_at_tp1_tp2_and_tp4_makes_the_same_namespace_and_shard_files() -> None:
+    """Parallelism-agnostic shards: a pool written at one TP size is read at another."""
+    total = 4
+    namespaces, shards = set(), []
+    for tp in (1, 2, 4):
+        config = vllm_config(tp=tp)
+        config.model_config.get_total_num_kv_heads = lambda: total
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=total // tp, head_size=HEAD, dtype=torch.bfloat16)
+        dep = deployment(config, kv_config(spec))
+        cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK})
+        namespaces.add(store_config(cfg, rest, config, dep, None).namespace().digest)
+        assert dep.sharding.by_heads and dep.sharding.num_shards == total
+        shards.append([list(dep.sharding.shards_of(r)) for r in range(tp)])
+    assert len(namespaces) == 1
+    assert shards == [[[0, 1, 2, 3]], [[0, 1], [2, 3]], [[0], [1], [2], [3]]]
+
+
+def test_fewer_kv_heads_than_ranks_are_replicas_and_written_once_each() -> None:
+    config = vllm_config(tp=4)
+    config.model_config.get_total_num_kv_heads = lambda: 2
+    dep = deployment(config, kv_config(FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=HEAD,
+                                                         dtype=torch.bfloat16)))
+    assert dep.sharding == Sharding(4, 2)
+    assert [list(dep.sharding.shards_of(r)) for r in range(4)] == [[0], [0], [1], [1]]
+    assert [dep.sharding.writes_pool(r) for r in range(4)] == [True, False, True, False]
+
+
+def test_heads_that_do_not_split_evenly_fall_back_to_rank_shards_named_by_tp() -> None:
+    config = vllm_config(tp=2)
+    config.model_config.get_total_num_kv_heads = lambda: 3  # not what the spec's heads per rank say
+    dep = deployment(config, kv_config(full_spec()))
+    assert dep.sharding == Sharding(2, 2, by_heads=False) and dep.kv_format.endswith("-tp2")
+    cfg, rest = ConnectorConfig.split({})
+    assert store_config(cfg, rest, config, dep, 1).world_size == 2  # the namespace names the TP size
 
 
 def test_mla_kv_is_one_shard_replicated_on_every_rank() -> None:
@@ -112,7 +150,7 @@ def test_mla_kv_is_one_shard_replicated_on_every_rank() -> None:
                            cache_dtype_str="fp8")
     dep = deployment(vllm_config(tp=4), kv_config(mla))
     assert dep.sharding == Sharding(4, 1)
-    assert [dep.sharding.shard_of(r) for r in range(4)] == [0, 0, 0, 0]
+    assert [list(dep.sharding.shards_of(r)) for r in range(4)] == [[0], [0], [0], [0]]
     assert [dep.sharding.writes_pool(r) for r in range(4)] == [True, False, False, False]
     assert dep.layer_block_bytes == BS * 72  # one latent "head", not doubled into K and V
 
@@ -306,7 +344,7 @@ def held(role: SchedulerRole, req: Any, chunks: int, rank: int = 0) -> None:
     state = role._state(req)
     assert state is not None
     sharding = role.dep.sharding
-    ids = [shard_id(c, sharding.shard_of(rank), sharding.num_shards) for c in state.chunk_ids[:chunks]]
+    ids = [shard_id(c, sharding.shards_of(rank)[0], sharding.num_shards) for c in state.chunk_ids[:chunks]]
     role.update_connector_output(KVTierWorkerMeta(host_changes={rank: [(True, bytes(c.key)) for c in ids]}))
 
 
@@ -548,3 +586,48 @@ def test_the_connector_reads_its_config_file_itself_secrets_from_the_environment
     config = store_config(cfg, rest, vllm_config(), dep, 0)
     assert (config.chunk_tokens, config.tenant_salt, config.host_bytes) == (64, "tenant-secret-42", 2 << 20)
     assert "tenant-secret-42" not in repr(config)
+
+
+def publish_shards(pool: Any, role: SchedulerRole, req: Any, chunks: int, shards: Any) -> None:
+    """Write shard files of the first ``chunks`` chunks of ``req`` into the fs pool ``pool``."""
+    from kvtier.format import ChunkSpec
+    from kvtier.layout import DTYPE_CODES
+    from kvtier.tiers.base import Chunk
+    from kvtier.tiers.files import ChunkFiles
+
+    config, state = role.config, role._state(req)
+    spec = ChunkSpec(config.namespace().digest, DTYPE_CODES[config.layout.dtype],
+                     config.layout.shape(config.chunk_tokens), config.chunk_bytes)
+    files = ChunkFiles(pool)
+    for c in state.chunk_ids[:chunks]:
+        for s in shards:
+            cid = shard_id(c, s, role.dep.sharding.num_shards)
+            files.publish(Chunk(cid, torch.zeros(config.layout.shape(config.chunk_tokens), dtype=torch.uint8)), spec)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_pool_is_asked_once_per_chunk_whatever_the_tp_size_and_loads_name_its_tier(tmp_path: Any, tp: int) -> None:
+    role, _ = make_scheduler(tp=tp, extra={"pool_url": f"fs://{tmp_path}", "host_bytes": 0})
+    req = request("p", list(range(7000, 7000 + 6 * CHUNK + 1)))
+    publish_shards(tmp_path, role, req, 4, range(role.dep.sharding.num_shards))
+    assert role.pool is not None
+    stats = role.pool.files.lookup_stats  # type: ignore[attr-defined]
+    before = stats.value
+    assert ask(role, req) == (4 * CHUNK, False)
+    # The 4 hits and the miss, and at most the rest of the window: one stat per chunk, not one per rank.
+    assert 5 <= stats.value - before <= 6
+    state = role._state(req)
+    assert state.chunk_tiers == ["pool"] * 4
+    role.update_state_after_alloc(req, blocks(list(range(13))), 4 * CHUNK)
+    meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="p", block_ids=(list(range(13)),),
+                                                                  num_computed_tokens=4 * CHUNK)], scheduled={"p": 5}))
+    assert [t.chunk_tiers for t in meta.loads] == [("pool",) * 4]
+
+
+def test_a_rank_that_holds_chunks_in_host_dram_and_one_that_reads_the_pool_agree_on_the_slowest() -> None:
+    role, _ = make_scheduler(tp=2)
+    req = request("h", list(range(8000, 8000 + 3 * CHUNK + 1)))
+    held(role, req, 3, rank=0)
+    held(role, req, 2, rank=1)
+    assert ask(role, req) == (2 * CHUNK, False)
+    assert role._state(req).chunk_tiers[:2] == ["host", "host"]

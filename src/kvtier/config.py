@@ -72,6 +72,12 @@ class StoreConfig:
     write_queue_chunks: int | None = None
     read_timeout_s: float = 10.0
     tier_cooldown_s: float = 30.0
+    lookup_threads: int = 16
+    """File-metadata calls a lookup of the shared pool keeps in flight (a network filesystem
+    answers each in a round trip: 150-200 us on GlusterFS here); 1: one at a time."""
+    lookup_negative_ttl_s: float = 1.0
+    """How long the pool remembers that a chunk is absent (a chunk another instance writes is
+    seen that much later at most; this instance's own writes at once); 0: never."""
     fsync: bool = False
     direct_io: bool = True
     group_access: bool = False
@@ -93,6 +99,10 @@ class StoreConfig:
         _positive_int("chunk_tokens", self.chunk_tokens, "use a multiple of the engine's block size, e.g. 256")
         _positive_int("io_threads", self.io_threads, "e.g. 8")
         _positive_int("write_threads", self.write_threads, "e.g. 1")
+        _positive_int("lookup_threads", self.lookup_threads, "e.g. 16, or 1 for one metadata call at a time")
+        if isinstance(self.lookup_negative_ttl_s, bool) or not isinstance(self.lookup_negative_ttl_s, (int, float)) \
+                or not 0 <= self.lookup_negative_ttl_s <= 60:
+            raise ValueError(f"lookup_negative_ttl_s: must be 0-60 seconds, got {self.lookup_negative_ttl_s!r}")
         if self.write_queue_chunks is None:
             # Bounded in bytes by default: a queued chunk pins its memory until written.
             object.__setattr__(self, "write_queue_chunks", max(4, WRITE_QUEUE_BYTES // self.chunk_bytes))
@@ -199,9 +209,10 @@ _ALIASES = {
 _GB_ALIASES = {"max_local_cpu_size": "host_bytes", "max_local_disk_size": "disk_bytes"}
 _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 _INT_KEYS = {"chunk_tokens", "rank", "world_size", "io_threads", "write_threads", "write_queue_chunks",
+             "lookup_threads",
              "num_layers", "num_kv_heads", "head_dim"}
 _BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster"}
-_FLOAT_KEYS = {"read_timeout_s", "tier_cooldown_s", "redis_timeout_s", "redis_ttl_s"}
+_FLOAT_KEYS = {"read_timeout_s", "tier_cooldown_s", "redis_timeout_s", "redis_ttl_s", "lookup_negative_ttl_s"}
 _NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
                   "redis_options"}
 

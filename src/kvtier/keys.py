@@ -16,6 +16,7 @@ never be addressed by another. Hashing the token digest rather than the tokens l
 from __future__ import annotations
 
 import array
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -144,8 +145,8 @@ def recompute_key(parent: bytes, tokens_digest: bytes, extra_digest: bytes = b""
 def shard_id(cid: ChunkId, shard: int, num_shards: int) -> ChunkId:
     """The identity of shard ``shard`` of ``num_shards`` of the logical chunk ``cid``.
 
-    With tensor parallelism each rank holds its own slice of a chunk's KV (its KV heads); the
-    slices are stored as separate chunks. A shard keeps the logical chunk's parent and token
+    A chunk's KV is stored as one chunk per shard: per KV head (so that any tensor-parallel
+    size reads it), or per tensor-parallel rank where heads cannot be addressed. A shard keeps the logical chunk's parent and token
     digest and gets its own extra digest (the logical extra digest, the shard and the shard
     count), so ``recompute_key`` still verifies it from its header alone, a shard can never be
     read as another shard or as the whole, and the logical key chain stays rank-independent
@@ -155,6 +156,12 @@ def shard_id(cid: ChunkId, shard: int, num_shards: int) -> ChunkId:
         return cid
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
-    extra = blake3(b"kvtier-shard\0" + cid.extra_digest + shard.to_bytes(4, "little")
-                   + num_shards.to_bytes(4, "little")).digest()
+    extra = _shard_extra(cid.extra_digest, shard, num_shards)
     return ChunkId(recompute_key(cid.parent, cid.tokens_digest, extra), cid.parent, cid.tokens_digest, extra)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_extra(extra_digest: bytes, shard: int, num_shards: int) -> bytes:
+    # The same for every chunk of a request (one extra digest): cached, a shard id costs one hash.
+    return blake3(b"kvtier-shard\0" + extra_digest + shard.to_bytes(4, "little")
+                  + num_shards.to_bytes(4, "little")).digest()

@@ -41,6 +41,7 @@ class TierCounters:
     lock_failures: int = 0
     undescribed_namespaces: int = 0
     chunks: int = 0
+    load_lookups: int = 0
     bytes: int = 0
 
 
@@ -68,6 +69,7 @@ HELP = {
     "undescribed_namespaces": "Namespaces (one per cache_salt) not described in the directories: over the bound",
     "chunks": "Chunks held by this tier as known to this process",
     "bytes": "Bytes held by this tier as known to this process",
+    "load_lookups": "Chunks a load looked up itself (no tier named by the lookup that found them)",
 }
 
 

@@ -335,6 +335,22 @@ class TieredStore:
         """
         return locate(self.levels, self._guard, ids, count_metrics, self.chunk_tokens)
 
+    def _found(self, ids: Sequence[ChunkId], names: Sequence[str]) -> list[Level]:
+        """The levels to read ``ids`` from, as a lookup named them (``load_into``'s ``tiers``): host
+        DRAM when it holds the chunk now (an in-memory check), else the named tier or, when that
+        one is cooling down or gone, the first usable one below it. Ends where none is left."""
+        located: list[Level] = []
+        for cid, name in zip(ids, names):
+            if self.host is not None and (name == self.host.name or self.host.lookup([cid])):
+                located.append(self.host)
+                continue
+            below = next((i for i, t in enumerate(self.tiers) if t.name == name), 0)
+            tier = next((t for t in self.tiers[below:] if self._guard.usable(t)), None)
+            if tier is None:
+                break
+            located.append(tier)
+        return located
+
     # -- read -------------------------------------------------------------------------------
 
     def get(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None,
@@ -376,7 +392,7 @@ class TieredStore:
 
     def load_into(self, ids: Sequence[ChunkId], sink: Callable[[int, torch.Tensor], None], *,
                   tenant_salt: str | None = None, promote: bool = True,
-                  stop: threading.Event | None = None) -> PrefixLoad:
+                  stop: threading.Event | None = None, tiers: Sequence[str] | None = None) -> PrefixLoad:
         """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading in parallel.
 
         This is the fast path for callers that copy chunks somewhere (an output tensor, an
@@ -390,10 +406,17 @@ class TieredStore:
         the data themselves, like an engine's prefix cache: no page faults, no evictions).
         ``stop``: once set (e.g. the request was aborted), the load ends at the next chunk
         boundary (within ``STOP_POLL_S``) and returns what was delivered until then.
+        ``tiers``: where a lookup already found each chunk (tier names, as ``LookupResult.chunk_tiers``):
+        no lookup is repeated; each chunk is read from host DRAM if it holds it, else from that
+        tier, and from the tiers below only when it is not there (at most ``len(tiers)`` chunks).
         """
         self._check_open()
         spec = self._spec(self._namespace(tenant_salt))
-        located = self._locate(ids)
+        if tiers is None:
+            located = self._locate(ids)
+            self.store_metrics.add(load_lookups=len(ids))
+        else:
+            located = self._found(ids, tiers)
         gate = _SinkGate()
         # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
         # I/O threads, all submitted at once so that they overlap.

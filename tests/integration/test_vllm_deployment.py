@@ -136,6 +136,48 @@ def test_tp2_stores_every_ranks_shard_and_never_deletes_one_as_foreign(tp2: dict
             assert all(t["corrupt_chunks"] == 0 for t in tp2[name][1][rank]["tiers"].values())
 
 
+@pytest.fixture(scope="module")
+def cross_tp(model: Path, tp2: dict[str, Any]) -> dict[str, Any]:
+    """Head shards are the same at any TP size: a TP=1 engine resumes from the pool the TP=2
+    writer filled, and a TP=2 engine from a pool a TP=1 writer filled (fresh disks each)."""
+    import shutil
+
+    tmp, prompts = tp2["tmp"], tp2["prompts"]
+    shutil.copytree(tmp / "pool", tmp / "pool-of-tp2")  # the TP=2 tests count the original's files
+
+    def connector(pool: str, disk: str) -> dict[str, Any]:
+        return {"host_bytes": "64MiB", "chunk_tokens": CHUNK, "pool_url": f"fs://{tmp / pool}",
+                "disk_path": str(tmp / disk), **ALWAYS}
+
+    out: dict[str, Any] = {"prompts": prompts}
+    out["tp1_reads_tp2"] = _runs.run_engine(model, tmp, "tp1-reads-tp2", prompts, connector("pool-of-tp2", "d1"))
+    out["tp1_writer"] = _runs.run_engine(model, tmp, "tp1-writer", prompts, connector("pool-of-tp1", "d2"))
+    out["tp2_reads_tp1"] = _runs.run_engine(model, tmp, "tp2-reads-tp1", prompts, connector("pool-of-tp1", "d3"),
+                                            tensor_parallel_size=2)
+    return out
+
+
+def full_hit(prompt: list[int]) -> int:
+    return min(len(prompt) // CHUNK * CHUNK, (len(prompt) - 1) // BLOCK * BLOCK)
+
+
+def test_a_tp1_engine_resumes_what_a_tp2_engine_wrote_and_the_other_way_round(cross_tp: dict[str, Any],
+                                                                              tp2: dict[str, Any]) -> None:
+    plain_tp2, _ = tp2["plain"]
+    tp1_writer, _ = cross_tp["tp1_writer"]  # computed every token itself: TP=1's recompute
+    for name, reference, ranks in (("tp1_reads_tp2", tp1_writer, ("worker",)),
+                                   ("tp2_reads_tp1", plain_tp2, ("worker", "worker1"))):
+        results, metrics = cross_tp[name]
+        assert _runs.mismatches(results, reference) == [], name
+        assert [r["cached"] for r in results] == [full_hit(p) for p in cross_tp["prompts"]], name
+        for rank in ranks:
+            connector = metrics[rank]["connector"]
+            assert connector["loaded_tokens"] == sum(r["cached"] for r in results), (name, rank)
+            assert connector["failed_blocks"] == 0, (name, rank)
+            assert all(t["corrupt_chunks"] == 0 for t in metrics[rank]["tiers"].values()), (name, rank)
+            assert metrics[rank]["store"]["load_lookups"] == 0, (name, rank)  # read where the lookup found them
+
+
 def test_vllms_default_fail_policy_is_refused_at_start_with_the_fix(model: Path, tmp_path: Path) -> None:
     with pytest.raises(_runs.EngineFailed) as failed:
         _runs.run_engine(model, tmp_path, "fail-policy", [[1, 2, 3]], {"pool_url": f"fs://{tmp_path / 'pool'}"},

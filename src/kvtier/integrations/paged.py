@@ -16,6 +16,13 @@ each index of the remaining ("outer") dimensions is a run of its own (K and V of
 cache; heads of a head-outermost layout). A run is an ``as_strided`` byte view
 ``[num_blocks, run_bytes]`` over the engine's own storage: no ``reshape``, so never a silent
 copy. A chunk holds its blocks' bytes run after run: ``[run][block of the chunk][run_bytes]``.
+
+Head shards (``head_runs``): to store KV independently of the tensor-parallel size, each KV head
+is a chunk of its own. The runs of one head are ``as_strided`` views ``[num_blocks, *inner]``:
+the head's slice of the dimensions below the block stride, in stride order (a strided view
+when heads are interleaved with tokens, as in NHD), and one run per index of the dimensions
+above it (K and V of a K/V-major cache). A head's bytes are thus the same whichever rank, of
+whatever tensor-parallel size, holds it, as long as the layout is the same.
 """
 
 from __future__ import annotations
@@ -69,25 +76,92 @@ def block_runs(kv: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
     return [torch.as_strided(raw, (num_blocks, run), (block_stride, 1), base + o) for o in offsets]
 
 
-class PagedKV:
-    """The paged KV tensors of one worker, as byte runs per block (see the module docstring)."""
+def head_dim_of(kv: torch.Tensor, heads: int) -> int | None:
+    """The dimension of a per-layer KV tensor that indexes its ``heads`` KV heads, for the shapes
+    vLLM 0.32 hands connectors: ``[blocks, heads, tokens, content]`` (any stride order, kernel
+    blocks included), ``[blocks, 2, tokens, heads, head_size]`` (K and V in separate page halves)
+    or the K/V-major ``[2, blocks, tokens, heads, head_size]``. None when ``heads`` is 1 (nothing
+    to split) or the shape is none of these."""
+    if heads == 1:
+        return None
+    if kv.dim() == 4 and kv.shape[1] == heads:
+        return 1
+    if kv.dim() == 5 and 2 in (kv.shape[0], kv.shape[1]) and kv.shape[3] == heads:
+        return 3
+    return None
 
-    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int) -> None:
+
+def head_runs(kv: torch.Tensor, num_blocks: int, heads: int, head_dim: int | None) -> list[list[torch.Tensor]]:
+    """Per KV head, the byte views ``[num_blocks, *inner]`` (uint8) that hold that head of every
+    block of ``kv`` (see the module docstring). ``head_dim`` None: ``kv`` holds one head.
+
+    Raises LayoutError as ``block_runs`` does, or when ``head_dim`` does not hold ``heads``.
+    """
+    if heads > 1 and (head_dim is None or not 0 <= head_dim < kv.dim() or kv.shape[head_dim] != heads):
+        raise LayoutError(f"KV cache tensor {tuple(kv.shape)}: no dimension {head_dim} of {heads} heads")
+    if kv.stride(-1) != 1 and kv.shape[-1] != 1:
+        raise LayoutError(f"KV cache tensor {tuple(kv.shape)} strides {kv.stride()}: innermost dim "
+                          "not contiguous")
+    elem = kv.element_size()
+    shape = list(kv.shape[:-1]) + [kv.shape[-1] * elem]  # the innermost dim in bytes
+    strides = [s * elem for s in kv.stride()[:-1]] + [1]
+    if shape[0] == num_blocks:
+        block_dim = 0
+    elif shape[0] > num_blocks and shape[0] % num_blocks == 0:
+        k = shape[0] // num_blocks  # kernel blocks: one more (inner) dimension
+        shape, strides = [num_blocks, k, *shape[1:]], [strides[0] * k, *strides]
+        block_dim = 0
+        head_dim = None if head_dim is None else head_dim + 1
+    elif len(shape) >= 3 and shape[1] == num_blocks:
+        block_dim = 1
+    else:
+        raise LayoutError(f"KV cache tensor {tuple(kv.shape)}: no dimension of {num_blocks} blocks")
+    block_stride = strides[block_dim]
+    dims = [d for d in range(len(shape)) if d not in (block_dim, head_dim) and shape[d] > 1]
+    outer = sorted((d for d in dims if strides[d] > block_stride), key=lambda d: -strides[d])
+    inner = sorted((d for d in dims if strides[d] < block_stride), key=lambda d: -strides[d])
+    offsets = [0]
+    for d in outer:
+        offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
+    raw = kv if kv.dtype == torch.uint8 else kv.view(torch.uint8)
+    base = raw.storage_offset()
+    size = (num_blocks, *(shape[d] for d in inner))
+    stride = (block_stride, *(strides[d] for d in inner))
+    head_stride = 0 if head_dim is None else strides[head_dim]
+    return [[torch.as_strided(raw, size, stride, base + h * head_stride + o) for o in offsets]
+            for h in range(heads)]
+
+
+class PagedKV:
+    """The paged KV tensors of one worker, as byte runs per block (see the module docstring).
+
+    With ``heads`` (the KV heads each layer's tensor holds, found at ``head_dims``) each head is
+    a shard of its own (``head_runs``): ``gather`` and ``scatter`` move one shard's pages, and
+    ``block_bytes`` is one shard's. Without, one shard holds the whole block (``block_runs``).
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int, *, heads: int = 1,
+                 head_dims: Sequence[int | None] | None = None) -> None:
         if not layers:
             raise LayoutError("no KV cache tensors")
         self.num_blocks = num_blocks
         self.device = layers[0].device
-        self.runs: list[torch.Tensor] = []
+        self.shards = heads if head_dims is not None else 1
+        self.shard_runs: list[list[torch.Tensor]] = [[] for _ in range(self.shards)]
         self.layer_block_bytes: list[int] = []
-        for kv in layers:
+        for i, kv in enumerate(layers):
             if kv.device != self.device:
                 raise LayoutError(f"KV cache tensors on {kv.device} and {self.device}")
-            runs = block_runs(kv, num_blocks)
-            self.runs.extend(runs)
-            self.layer_block_bytes.append(sum(r.shape[1] for r in runs))
-        self._np_runs: list[Any] | None = None  # numpy views of ``runs`` (CPU), made on first use
+            per_shard = [block_runs(kv, num_blocks)] if head_dims is None else \
+                head_runs(kv, num_blocks, heads, head_dims[i])
+            for runs, shard in zip(per_shard, self.shard_runs, strict=True):
+                shard.extend(runs)
+            self.layer_block_bytes.append(sum(_run_bytes(r) for r in per_shard[0]))
+        self.runs = self.shard_runs[0]
+        self._np_runs: list[list[Any]] | None = None  # numpy views of ``shard_runs`` (CPU), made on first use
         self.block_bytes = sum(self.layer_block_bytes)
-        """Bytes of one block over all layers: a chunk of ``n`` blocks holds ``n * block_bytes``."""
+        """Bytes of one block of one shard over all layers: a chunk of ``n`` blocks holds
+        ``n * block_bytes``."""
 
     def _chunk_bytes(self, chunk: torch.Tensor, n_blocks: int) -> torch.Tensor:
         if not chunk.is_contiguous():
@@ -98,27 +172,27 @@ class PagedKV:
                              f"{self.block_bytes} bytes")
         return flat
 
-    def _pages(self, flat: torch.Tensor, n_blocks: int) -> list[torch.Tensor]:
-        """The chunk's ``[n_blocks, run_bytes]`` piece for each run, in run order."""
+    def _pages(self, flat: torch.Tensor, n_blocks: int, shard: int) -> list[torch.Tensor]:
+        """The chunk's ``[n_blocks, *run shape]`` piece for each run of ``shard``, in run order."""
         out, offset = [], 0
-        for run in self.runs:
-            size = n_blocks * run.shape[1]
-            out.append(flat[offset:offset + size].view(n_blocks, run.shape[1]))
+        for run in self.shard_runs[shard]:
+            size = n_blocks * _run_bytes(run)
+            out.append(flat[offset:offset + size].view(n_blocks, *run.shape[1:]))
             offset += size
         return out
 
-    def gather(self, block_ids: Sequence[int], chunk: torch.Tensor) -> None:
-        """Copy the pages of ``block_ids`` (one chunk's blocks, in order) into ``chunk``."""
+    def gather(self, block_ids: Sequence[int], chunk: torch.Tensor, shard: int = 0) -> None:
+        """Copy the pages of ``block_ids`` (one chunk's blocks, in order) of ``shard`` into ``chunk``."""
         flat = self._chunk_bytes(chunk, len(block_ids))
         idx = self._index(block_ids)
-        for run, page in zip(self.runs, self._pages(flat, len(block_ids)), strict=True):
+        for run, page in zip(self.shard_runs[shard], self._pages(flat, len(block_ids), shard), strict=True):
             if page.device == self.device:
                 torch.index_select(run, 0, idx, out=page)
             else:  # e.g. GPU cache -> host slot: gather on the device, one copy over
                 page.copy_(run.index_select(0, idx))
 
-    def scatter(self, chunk: torch.Tensor, block_ids: Sequence[int | None]) -> None:
-        """Copy ``chunk``'s pages into ``block_ids``; a None entry skips that block."""
+    def scatter(self, chunk: torch.Tensor, block_ids: Sequence[int | None], shard: int = 0) -> None:
+        """Copy ``chunk``'s pages into ``block_ids`` of ``shard``; a None entry skips that block."""
         flat = self._chunk_bytes(chunk, len(block_ids))
         keep = [j for j, b in enumerate(block_ids) if b is not None]
         if not keep:
@@ -127,7 +201,7 @@ class PagedKV:
             # numpy copies, one memcpy per block and run: loads call this from I/O threads, where
             # torch's index_copy_ could start OpenMP teams that take the cores the engine's
             # forward pass is running on (measured: decode steps of other requests slowed).
-            for run, page in zip(self._numpy_runs(), self._pages(flat, len(block_ids)), strict=True):
+            for run, page in zip(self._numpy_runs()[shard], self._pages(flat, len(block_ids), shard), strict=True):
                 src = page.numpy()
                 for j in keep:
                     run[block_ids[j]] = src[j]
@@ -135,7 +209,7 @@ class PagedKV:
         idx = self._index([block_ids[j] for j in keep])  # type: ignore[misc]
         src_idx = torch.tensor(keep, dtype=torch.long)
         whole = len(keep) == len(block_ids)
-        for run, page in zip(self.runs, self._pages(flat, len(block_ids)), strict=True):
+        for run, page in zip(self.shard_runs[shard], self._pages(flat, len(block_ids), shard), strict=True):
             src = page if whole else page.index_select(0, src_idx)
             # Asynchronous from page-locked memory; the caller orders and waits (transfer.PageMover).
             run.index_copy_(0, idx, src.to(self.device, non_blocking=True))
@@ -149,7 +223,12 @@ class PagedKV:
             return idx
         return idx.pin_memory().to(self.device, non_blocking=True)
 
-    def _numpy_runs(self) -> list[Any]:
+    def _numpy_runs(self) -> list[list[Any]]:
         if self._np_runs is None:
-            self._np_runs = [run.numpy() for run in self.runs]
+            self._np_runs = [[run.numpy() for run in runs] for runs in self.shard_runs]
         return self._np_runs
+
+
+def _run_bytes(run: torch.Tensor) -> int:
+    """Bytes of one block of a run (``[num_blocks, *inner]`` uint8)."""
+    return run[0].numel()

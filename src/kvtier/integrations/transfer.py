@@ -51,7 +51,8 @@ class PinningError(RuntimeError):
 
 @dataclass(frozen=True)
 class Loaded:
-    """What a load delivered: its first ``num_chunks`` chunks, from ``chunk_tiers``."""
+    """What a load delivered: its first ``num_chunks`` chunks (every shard of each), and the tier
+    each of their shards came from (``chunk_tiers``, ``shards`` per chunk, in order)."""
 
     num_chunks: int
     chunk_tiers: tuple[str, ...]
@@ -116,6 +117,7 @@ class PageMover:
     def __init__(self, paged: PagedKV, store: TieredStore, blocks_per_chunk: int, *, loaders: int = 2,
                  thread_init: ThreadInit | None = None) -> None:
         self.paged, self.store, self.blocks_per_chunk = paged, store, blocks_per_chunk
+        self.shards = paged.shards  # store chunks per chunk of blocks: one per head shard
         self.cuda = paged.device.type == "cuda"
         self._loader = executor(loaders, "kvtier-load", thread_init)
         self._saves: deque[_Save] = deque()
@@ -146,12 +148,17 @@ class PageMover:
         return event
 
     def load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None],
-             stop: threading.Event | None = None, after: Any = None, tenant_salt: str | None = None) -> Loaded:
+             stop: threading.Event | None = None, after: Any = None, tenant_salt: str | None = None,
+             tiers: Sequence[str] | None = None) -> Loaded:
         """Read the cached prefix of ``ids`` into ``block_ids`` (``blocks_per_chunk`` per chunk; a
         None entry leaves that block alone) and return what was delivered. Blocks after the
         delivered prefix may hold partial data and must be recomputed by the caller.
-        ``tenant_salt``: the namespace the ids were made in (None: the store's own)."""
-        bpc, paged = self.blocks_per_chunk, self.paged
+
+        With head shards, ``ids`` holds ``shards`` ids per chunk of blocks, in shard order (the
+        chunk's first shard, its second, ..., then the next chunk's). ``tenant_salt``: the
+        namespace the ids were made in (None: the store's own). ``tiers``: where a lookup found
+        each id (``TieredStore.load_into``): no second lookup."""
+        bpc, paged, k = self.blocks_per_chunk, self.paged, self.shards
         if after is None:
             after = self._compute_done()
         stream = self.load_stream
@@ -159,34 +166,38 @@ class PageMover:
             stream.wait_event(after)
 
         def sink(index: int, data: torch.Tensor) -> None:
-            blocks = block_ids[index * bpc:(index + 1) * bpc]
+            chunk, shard = divmod(index, k)
+            blocks = block_ids[chunk * bpc:(chunk + 1) * bpc]
             if stream is None:
-                paged.scatter(data, blocks)
+                paged.scatter(data, blocks, shard)
                 return
             with torch.cuda.stream(stream):
-                paged.scatter(data, blocks)
+                paged.scatter(data, blocks, shard)
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             done.synchronize()  # ``data`` is the store's only until this returns
 
         t0 = time.perf_counter()
         # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
-        result = self.store.load_into(ids, sink, promote=False, stop=stop, tenant_salt=tenant_salt)
-        return Loaded(result.num_chunks, result.chunk_tiers, time.perf_counter() - t0,
+        result = self.store.load_into(ids, sink, promote=False, stop=stop, tenant_salt=tenant_salt, tiers=tiers)
+        whole = result.num_chunks // k  # a chunk counts once every one of its shards is in
+        return Loaded(whole, result.chunk_tiers[:whole * k], time.perf_counter() - t0,
                       stop is not None and stop.is_set())
 
     def submit_load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None],
-                    tenant_salt: str | None = None) -> LoadJob:
+                    tenant_salt: str | None = None, tiers: Sequence[str] | None = None) -> LoadJob:
         """``load`` in the background; ordered after the engine's work queued so far."""
         stop = threading.Event()
         after = self._compute_done()
-        return LoadJob(self._loader.submit(self.load, list(ids), list(block_ids), stop, after, tenant_salt), stop)
+        return LoadJob(self._loader.submit(self.load, list(ids), list(block_ids), stop, after, tenant_salt,
+                                           None if tiers is None else list(tiers)), stop)
 
     # ---------------------------------------------------------------- saves
 
-    def save(self, cid: ChunkId, block_ids: Sequence[int], *, skip_tiers: Collection[str] = (),
+    def save(self, cid: ChunkId, block_ids: Sequence[int], *, shard: int = 0, skip_tiers: Collection[str] = (),
              tag: str | None = None, tenant_salt: str | None = None) -> bool:
-        """Copy one chunk's blocks into the store; False when host DRAM already holds it.
+        """Copy one shard (``shard`` of ``shards``) of one chunk's blocks into the store as ``cid``;
+        False when host DRAM already holds it.
 
         ``tag`` names the save for ``saves_pending`` (e.g. a finished request whose blocks
         are held until its saves are copied).
@@ -196,10 +207,10 @@ class PageMover:
             return False
         try:
             if not self.cuda:
-                self.paged.gather(block_ids, pending.buffer)
+                self.paged.gather(block_ids, pending.buffer, shard)
                 done = None
             else:
-                done = self._gather_async(block_ids, pending.buffer)
+                done = self._gather_async(block_ids, pending.buffer, shard)
         except BaseException:
             pending.abandon()
             raise
@@ -207,14 +218,14 @@ class PageMover:
         self.poll_saves()
         return True
 
-    def _gather_async(self, block_ids: Sequence[int], host: torch.Tensor) -> Any:
+    def _gather_async(self, block_ids: Sequence[int], host: torch.Tensor, shard: int) -> Any:
         stream = self.save_stream
         stream.wait_event(self._compute_done())
         with torch.cuda.stream(stream):
             # Gather on the device (fast, reads the blocks), then one copy to host memory.
             staging = torch.empty(len(block_ids) * self.paged.block_bytes, dtype=torch.uint8,
                                   device=self.paged.device)
-            self.paged.gather(block_ids, staging)
+            self.paged.gather(block_ids, staging, shard)
             gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
             gathered.record(stream)
             host.view(-1).view(torch.uint8).copy_(staging, non_blocking=True)

@@ -17,6 +17,7 @@ Over 400 lines on purpose: every byte a chunk directory writes or reads goes thr
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import fcntl
 import json
@@ -24,7 +25,10 @@ import logging
 import os
 import secrets
 import stat
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,7 @@ from kvtier.keys import DIGEST_BYTES, ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
+from kvtier.threads import executor
 from kvtier.tiers.pagecache import cached_bytes
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ NAMESPACE_MAX_BYTES = 64 << 10  # a namespace description is a few hundred bytes
 MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
 _NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
+MAX_ABSENT = 1 << 16  # keys a pool remembers as absent (parallel_lookups)
 
 OWNER_FILE_MODE, OWNER_DIR_MODE = 0o600, 0o700
 # setgid on directories: files and subdirectories created inside inherit the group.
@@ -82,6 +88,10 @@ class ChunkFiles:
         self.group_access = group_access
         self.file_mode = GROUP_FILE_MODE if group_access else OWNER_FILE_MODE
         self.dir_mode = GROUP_DIR_MODE if group_access else OWNER_DIR_MODE
+        self._stat_pool: cf.ThreadPoolExecutor | None = None
+        self._absent: Absent | None = None
+        self.lookup_stats = Counter()
+        """File-metadata calls made by lookups (``leading_present``)."""
         if create:
             self._ensure_root()
 
@@ -157,14 +167,48 @@ class ChunkFiles:
         except OSError:
             return None
 
+    def parallel_lookups(self, threads: int, negative_ttl_s: float) -> None:
+        """Make ``leading_present`` keep up to ``threads`` stats in flight and remember absent
+        chunks for ``negative_ttl_s`` (for a directory on a network filesystem, where each stat
+        is a round trip: the shared pool). ``publish`` forgets a chunk's absence at once."""
+        self._stat_pool = executor(threads, "kvtier-stat") if threads > 1 else None
+        if self._stat_pool is not None:  # its idle threads go with this object (no close in the Tier protocol)
+            weakref.finalize(self, self._stat_pool.shutdown, wait=False)
+        self._absent = Absent(negative_ttl_s) if negative_ttl_s > 0 else None
+
     def leading_present(self, ids: Sequence[ChunkId]) -> int:
-        """How many of ``ids``, from the first on, have a published file (one stat each)."""
-        n = 0
-        for cid in ids:
-            if self.stat_size(cid.key) is None:
-                break
-            n += 1
+        """How many of ``ids``, from the first on, have a published file (at most one stat each).
+
+        With ``parallel_lookups``, stats run in windows that double from 8 to 256, so a prefix
+        of n chunks costs about n round trips / threads, and a miss early on wastes a few stats.
+        """
+        pool = self._stat_pool
+        if pool is None:
+            n = 0
+            for cid in ids:
+                if not self._present(cid.key):
+                    break
+                n += 1
+            return n
+        n, window = 0, 8
+        while n < len(ids):
+            for found in pool.map(self._present, [cid.key for cid in ids[n:n + window]]):
+                if not found:
+                    return n
+                n += 1
+            window = min(2 * window, 256)
         return n
+
+    def _present(self, key: ChunkKey) -> bool:
+        absent = self._absent
+        if absent is not None and absent.holds(key):
+            return False
+        self.lookup_stats.add(1)
+        if self.stat_size(key) is not None:
+            return True
+        if absent is not None:
+            absent.add(key)
+        return False
 
     # -- write ------------------------------------------------------------------------------
 
@@ -187,6 +231,8 @@ class ChunkFiles:
             write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
         if self.fsync:
             _fsync_dir(final.parent)
+        if self._absent is not None:
+            self._absent.discard(chunk.id.key)
         return spec.file_bytes
 
     def _make_shard(self, shard: Path) -> None:
@@ -412,6 +458,49 @@ class ChunkFiles:
                 except OSError:
                     continue
                 yield from entries
+
+
+class Counter:
+    """A thread-safe count."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
+class Absent:
+    """Keys recently found absent, each remembered for ``ttl_s``; at most ``MAX_ABSENT`` of
+    them (the oldest forgotten first), so a flood of distinct misses costs bounded memory."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def holds(self, key: bytes) -> bool:
+        with self._lock:
+            until = self._until.get(key)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self._until[key]
+            return False
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._until[key] = time.monotonic() + self.ttl_s
+            self._until.move_to_end(key)
+            while len(self._until) > MAX_ABSENT:
+                self._until.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self._until.pop(key, None)
 
 
 def _subdirs(path: Path) -> Iterator[Path]:

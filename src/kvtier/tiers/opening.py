@@ -24,8 +24,10 @@ def open_pool_tier(config: StoreConfig) -> Tier | None:
                          timeout_s=config.redis_timeout_s, cluster=config.redis_cluster,
                          username=config.redis_username, password=config.redis_password,
                          options=config.redis_options)
-    return PoolTier(parse_pool_url(config.pool_url), config.pool_bytes, fsync=config.fsync,
+    pool = PoolTier(parse_pool_url(config.pool_url), config.pool_bytes, fsync=config.fsync,
                     direct_io=config.direct_io, group_access=config.group_access)
+    pool.files.parallel_lookups(config.lookup_threads, config.lookup_negative_ttl_s)
+    return pool
 
 
 def open_tiers(config: StoreConfig,

@@ -3,7 +3,8 @@
 The scheduler sends ``KVTierMetadata`` to every worker each step (vLLM pickles it); each
 worker answers with ``KVTierWorkerMeta``, which vLLM folds over the ranks with ``aggregate``.
 Chunk ids in the metadata are *logical*: each rank derives its own shard ids from them
-(``keys.shard_id``), so the metadata does not grow with the tensor-parallel size.
+(``keys.shard_id``, one per KV head it holds), so the metadata does not grow with the
+tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Transfer:
     retain_until: float | None = None
     """Keep these chunks in the disk tier and the pool ahead of unretained ones until then
     (epoch seconds): the request's session asked for retention."""
+    chunk_tiers: tuple[str, ...] = ()
+    """A load: the tier the scheduler's lookup found each chunk in (the slowest any rank reads it
+    from); the workers read from there without looking the chunks up again. Empty: look up."""
 
 
 @dataclass

@@ -157,26 +157,42 @@ class ConnectorConfig:
 
 @dataclass(frozen=True)
 class Sharding:
-    """How one logical chunk is split over tensor-parallel ranks.
+    """How one logical chunk is split into shard files, and which of them each tensor-parallel
+    rank holds.
 
-    Each of ``num_shards`` shards is stored as its own chunk (``keys.shard_id``). Ranks that
-    hold replicas of the same shard (MLA's latent KV: vLLM's ``max_tp_shards = 1``) all read
-    it, and only the first of them writes it to the shared pool.
+    Head shards (``by_heads``, wherever the KV layout allows it): each of the model's
+    ``num_shards`` KV heads (MLA: its one latent) is a chunk of its own (``keys.shard_id``), so
+    the files of a chunk are the same whatever the tensor-parallel size, and a pool written at
+    TP=2 is read at TP=1 and the other way round. A rank holds ``rank_shards`` consecutive heads,
+    or, when the model has fewer KV heads than ranks (MLA, small GQA), a replica of one; only
+    the first replica of a head writes it to the shared pool.
+
+    Rank shards (``by_heads`` false: a layout whose heads kvtier cannot address): each rank's
+    whole KV is one shard, and the namespace names the tensor-parallel size.
     """
 
     world_size: int = 1
     num_shards: int = 1
+    by_heads: bool = True
 
     def __post_init__(self) -> None:
-        if self.world_size % self.num_shards:
+        if self.num_shards < 1 or (self.world_size % self.num_shards and self.num_shards % self.world_size):
             raise UnsupportedDeployment(f"KV split into {self.num_shards} shards over {self.world_size} ranks")
 
     @property
     def replicas(self) -> int:
-        return self.world_size // self.num_shards
+        """Ranks that hold each shard."""
+        return max(1, self.world_size // self.num_shards)
 
-    def shard_of(self, rank: int) -> int:
-        return rank // self.replicas
+    @property
+    def rank_shards(self) -> int:
+        """Shards each rank holds."""
+        return max(1, self.num_shards // self.world_size)
+
+    def shards_of(self, rank: int) -> range:
+        if self.num_shards >= self.world_size:
+            return range(rank * self.rank_shards, (rank + 1) * self.rank_shards)
+        return range(rank // self.replicas, rank // self.replicas + 1)
 
     def writes_pool(self, rank: int) -> bool:
         return rank % self.replicas == 0
@@ -189,7 +205,7 @@ class Deployment:
     block_size: int
     num_layers: int
     layer_block_bytes: int
-    """Bytes of one block of one layer on one rank (vLLM's unpadded page size)."""
+    """Bytes of one block of one layer on one rank (vLLM's unpadded page size), all its shards."""
     sharding: Sharding
     kv_format: str
     layer_names: tuple[str, ...] = ()
@@ -200,12 +216,18 @@ class Deployment:
     """This engine's data-parallel index among ``dp_size`` engines (each has its own disk tier)."""
 
     @property
+    def shard_block_bytes(self) -> int:
+        """Bytes of one block of one layer of one shard."""
+        return self.layer_block_bytes // self.sharding.rank_shards
+
+    @property
     def layout(self) -> KVLayout:
-        """The chunk's shape for the store: pages as bytes (``[layers, 2, tokens, 1, n]`` uint8)."""
-        per_token_bytes, rest = divmod(self.layer_block_bytes, 2 * self.block_size)
-        if rest or per_token_bytes == 0:
-            raise UnsupportedDeployment(f"a KV page of {self.layer_block_bytes} bytes is not a whole number of "
-                                        f"bytes per token for K and V of {self.block_size} tokens")
+        """One shard's chunk shape for the store: pages as bytes (``[layers, 2, tokens, 1, n]`` uint8)."""
+        per_token_bytes, rest = divmod(self.shard_block_bytes, 2 * self.block_size)
+        if rest or per_token_bytes == 0 or self.layer_block_bytes % self.sharding.rank_shards:
+            raise UnsupportedDeployment(f"a KV page of {self.layer_block_bytes} bytes in {self.sharding.rank_shards} "
+                                        f"shard(s) is not a whole number of bytes per token for K and V of "
+                                        f"{self.block_size} tokens")
         return KVLayout(self.num_layers, 1, per_token_bytes, torch.uint8)
 
 
@@ -259,17 +281,38 @@ def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
     check_causal_paged(spec)
     page_bytes = spec.real_page_size_bytes
     tp = pc.tensor_parallel_size
-    max_shards = getattr(spec, "max_tp_shards", None)
-    sharding = Sharding(tp, tp if max_shards is None else max(1, min(tp, max_shards)))
+    sharding = sharding_of(vllm_config, spec, tp)
     layout = (getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
               or "unresolved")
-    fmt = kv_format(vllm_config, spec, layout, page_bytes)
+    fmt = kv_format(vllm_config, spec, layout, page_bytes // sharding.rank_shards)
+    if not sharding.by_heads:
+        fmt += f"-tp{tp}"
     from kvtier.identity import model_digest
 
     dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
     dp_rank = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0) if dp_size > 1 else 0
     return Deployment(spec.block_size, len(groups[0].layer_names), page_bytes, sharding, fmt,
                       tuple(groups[0].layer_names), model_digest(vllm_config), dp_rank, dp_size)
+
+
+def sharding_of(vllm_config: VllmConfig, spec: Any, tp: int) -> Sharding:
+    """Head shards where each rank's heads are whole KV heads of the model (``Sharding``): MLA's
+    latent (one shard all ranks replicate) and plain attention whose per-rank heads divide the
+    model's evenly, without per-head quantization scales. Otherwise, rank shards."""
+    max_shards = getattr(spec, "max_tp_shards", None)
+    if max_shards is not None and max_shards <= 1:  # MLA: the latent KV is the same on every rank
+        return Sharding(tp, 1)
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and getattr(quant, "name", str(quant)) != "NONE":
+        return Sharding(tp, tp, by_heads=False)
+    try:
+        total = int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:  # a model config without the helper: keep the rank-bound split
+        return Sharding(tp, tp, by_heads=False)
+    rank_heads = getattr(spec, "num_kv_heads", None)
+    if total < 1 or rank_heads != max(1, total // tp) or (total % tp and tp % total):
+        return Sharding(tp, tp, by_heads=False)
+    return Sharding(tp, total)
 
 
 def check_causal_paged(spec: Any) -> None:
@@ -293,12 +336,12 @@ def check_causal_paged(spec: Any) -> None:
 
 
 def kv_format(vllm_config: VllmConfig, spec: Any, layout: str, page_bytes: int) -> str:
-    """Names everything that decides a page's bytes, so different layouts never share chunks.
+    """Names everything that decides a shard page's bytes, so different layouts never share chunks.
 
     Device type, attention backend (when set), CPU instruction set (the CPU backend's page
     interior depends on it), the resolved KV cache layout, block size, cache dtype and the page's
     element dtype (``auto`` is the model's dtype: bf16 and fp16 pages are the same size), the
-    KV quantization mode, the spec's type and its page size.
+    KV quantization mode, the spec's type and the page size of one shard (``page_bytes``).
     """
     device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "unknown"
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -334,7 +377,9 @@ def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_c
         base["chunk_tokens"] = max(256, dep.block_size)
     if not any(k in base for k in ("model_id", "model", "model_name")):
         base["model_id"] = vllm_config.model_config.model
-    config = load_settings(base, **settings, layout=dep.layout, rank=0, world_size=dep.sharding.world_size,
+    # Head shards are the same at any tensor-parallel size: their namespace does not name it.
+    world_size = 1 if dep.sharding.by_heads else dep.sharding.world_size
+    config = load_settings(base, **settings, layout=dep.layout, rank=0, world_size=world_size,
                            kv_format=dep.kv_format, model_digest=dep.model_digest)
     if config.chunk_tokens % dep.block_size:
         raise ValueError(f"kvtier setting chunk_tokens: {config.chunk_tokens} is not a multiple of vLLM's block "

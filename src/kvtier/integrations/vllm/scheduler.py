@@ -9,8 +9,12 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
 * Keys: the prompt's tokens in chunks of ``chunk_tokens``, chained in one logical namespace;
   ``cache_salt`` enters the namespace, a LoRA adapter and multimodal inputs (their hashes and
   placeholder positions) enter every key. Requests given as prompt embeddings are skipped.
-* With tensor parallelism a chunk is hit only when the shard of every rank is present in a
-  tier that rank can read (its own host DRAM or disk, or the pool).
+* With tensor parallelism a chunk is hit only when it is present for every rank in a tier that
+  rank can read (its own host DRAM or disk, or the pool). The shared pool is asked once per
+  chunk for all ranks (its first shard: shards of a chunk are written together and age
+  together), in parallel across the request's chunks; the workers then read each chunk from
+  the tier found here (``Transfer.chunk_tiers``), without a second lookup. A shard missing
+  after all costs a failed load that vLLM recomputes, never a wrong byte.
 * Lookups: once per request (until it is scheduled), for the chunks past vLLM's own prefix
   cache hit, in the background; vLLM is told "not yet" (None) until it is done, for at most
   ``lookup_timeout_s``.
@@ -46,7 +50,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from kvtier.config import StoreConfig
 from kvtier.errors import TierUnavailableError
@@ -105,7 +109,8 @@ class _Request:
     loading: bool = False  # a background load was sent and the request has not run since
     no_hit: bool = False  # a load of this request failed whole: never offer it a hit again
     lookup: _Lookup | None = None
-    shard_ids: dict[int, list[ChunkId]] = field(default_factory=dict)
+    shard_ids: dict[int, ShardIds] = field(default_factory=dict)
+    chunk_tiers: list[str] = field(default_factory=list)  # where the decided load's chunks were found
     request: Any = None  # vLLM's Request (its block hashes, for KV events)
     retain_s: float = 0.0  # the session asked kvtier to keep its chunks this long
     retained: bool = False  # the chunks it had when first scheduled were sent for retention
@@ -113,6 +118,62 @@ class _Request:
     """A synchronous load of it went to the workers and not every rank has reported it complete:
     the step that ran it computed over the loaded blocks, so nothing it computed is saved until
     then (a load that fell short means vLLM recomputes from the first missing block)."""
+
+
+class ShardIds(Sequence[ChunkId]):
+    """One shard's ids of a request's chunks from ``start`` on, each made when first asked for
+    (a hash): a lookup that stops at a miss never pays for the rest. Open-ended slices
+    (``ids[n:]``) are views sharing the made ids; bounded ones are lists."""
+
+    def __init__(self, logical: Sequence[ChunkId], shard: int, num_shards: int, start: int = 0,
+                 made: list[ChunkId | None] | None = None) -> None:
+        self.logical, self.shard, self.num_shards, self.start = logical, shard, num_shards, start
+        self._made: list[ChunkId | None] = made if made is not None else [None] * len(logical)
+
+    def __len__(self) -> int:
+        return max(0, len(self.logical) - self.start)
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkId: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ChunkId]: ...
+
+    def __getitem__(self, i: int | slice) -> ChunkId | Sequence[ChunkId]:
+        if isinstance(i, slice):
+            first, stop, step = i.indices(len(self))
+            if i.stop is None and step == 1:
+                return ShardIds(self.logical, self.shard, self.num_shards, self.start + first, self._made)
+            return [self[j] for j in range(first, stop, step)]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        j = self.start + i
+        cid = self._made[j]
+        if cid is None:
+            cid = self._made[j] = shard_id(self.logical[j], self.shard, self.num_shards)
+        return cid
+
+
+class _Answered:
+    """The shared pool's answer for one request (it holds chunks ``first`` to ``first + count``),
+    as a lookup-only ``Level`` over any rank's ``ShardIds``: no second metadata call."""
+
+    may_hang = False  # answered already
+
+    def __init__(self, pool: Level, first: int, count: int) -> None:
+        self.name, self.metrics = pool.name, pool.metrics
+        self.first, self.count = first, count
+
+    def lookup(self, ids: Sequence[ChunkId]) -> int:
+        assert isinstance(ids, ShardIds), "answers by position: ShardIds only"
+        if ids.start < self.first:
+            return 0
+        return max(0, min(len(ids), self.first + self.count - ids.start))
+
+    def close(self) -> None:
+        return
 
 
 class SchedulerRole:
@@ -157,6 +218,7 @@ class SchedulerRole:
             from kvtier.tiers.faulty import FaultyTier
 
             pool = FaultyTier(pool, **self.connector.inject_faults[pool.name])
+        self.pool = pool  # one view for all ranks: ``locate`` asks it once per chunk
         views: dict[int, list[Level]] = {}
         for rank in range(self.dep.sharding.world_size):
             tiers: list[Level] = []
@@ -169,30 +231,51 @@ class SchedulerRole:
             views[rank] = tiers
         return views
 
-    def _shard_ids(self, state: _Request, rank: int) -> list[ChunkId]:
-        sharding = self.dep.sharding
-        shard = sharding.shard_of(rank)
+    def _shard_ids(self, state: _Request, shard: int) -> ShardIds:
+        """Shard ``shard``'s ids of the request's chunks (each made once per request, when needed)."""
         ids = state.shard_ids.get(shard)
         if ids is None:
-            ids = state.shard_ids[shard] = [shard_id(c, shard, sharding.num_shards) for c in state.chunk_ids]
+            ids = state.shard_ids[shard] = ShardIds(state.chunk_ids, shard, self.dep.sharding.num_shards)
         return ids
 
     def locate(self, state: _Request, first: int = 0) -> list[str]:
         """Tier names of chunks ``first..`` of the cached prefix (the slowest any rank reads each from).
 
-        Blocking (metadata calls to disk and pool): it runs on a lookup thread.
+        Blocking (metadata calls to disk and pool): it runs on a lookup thread. Each rank's own
+        levels (host DRAM, disk) are asked for that rank's first shard; the shared pool once per
+        chunk, for shard 0, whatever the number of ranks.
         """
+        shared: _Answered | None = None
+        if self.pool is not None:
+            shared = _Answered(self.pool, first, self.guard.lookup(self.pool, self._shard_ids(state, 0)[first:]))
+        # A rank whose only level is the pool (no host DRAM held, no disk) has the pool's answer:
+        # no per-rank work, which at TP=8 would cost more than the pool's own answer.
+        pool_only = [self.pool.name] * shared.count if shared is not None else []
         names: list[str] | None = None
         for rank, tiers in self.rank_tiers.items():
-            located = [t.name for t in locate(tiers, self.guard, self._shard_ids(state, rank)[first:],
-                                              count_metrics=rank == 0, chunk_tokens=self.chunk_tokens)]
-            if names is None:
+            local = [t for t in tiers if t is not self.pool and not (isinstance(t, HostView) and not t.keys)]
+            if not local:
+                located = pool_only if self.pool in tiers else []
+                if rank == 0 and shared is not None:
+                    self._count_shared(shared, len(state.chunk_ids) - first)
+            else:
+                ids = self._shard_ids(state, self.dep.sharding.shards_of(rank)[0])
+                levels: list[Level] = local + ([shared] if shared is not None and self.pool in tiers else [])
+                located = [t.name for t in locate(levels, self.guard, ids[first:],
+                                                  count_metrics=rank == 0, chunk_tokens=self.chunk_tokens)]
+            if names is None or names is located:
                 names = located
             else:
                 names = [max(a, b, key=lambda n: TIER_ORDER.get(n, 3)) for a, b in zip(names, located, strict=False)]
             if not names:
                 break
         return names or []
+
+    def _count_shared(self, shared: _Answered, asked: int) -> None:
+        """Count a pool lookup that no rank's ``locate`` counted (rank 0 has no level of its own)."""
+        c = self.chunk_tokens
+        shared.metrics.add(lookups=1, lookup_tokens=asked * c, hit_chunks=shared.count,
+                           hit_tokens=shared.count * c)
 
     # ---------------------------------------------------------------- per request
 
@@ -299,6 +382,7 @@ class SchedulerRole:
             self.counters["miss_tokens"] += asked - len(located) * self.chunk_tokens
         # vLLM must compute at least one prompt token itself.
         end = min(found, (state.prompt_len - 1) // self.block_size * self.block_size)
+        state.chunk_tiers = chunk_tiers
         ext = end - num_computed_tokens
         if ext <= 0:
             self._decided(lookup, "miss")
@@ -322,8 +406,9 @@ class SchedulerRole:
 
     def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
         """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
-        chunk_bytes = self.config.chunk_bytes  # one rank's shard: ranks read theirs in parallel, and
-        seconds = 0.0                          # the rates they report were measured doing so
+        # One rank's shards: ranks read theirs in parallel, and the rates they report were measured doing so.
+        chunk_bytes = self.config.chunk_bytes * self.dep.sharding.rank_shards
+        seconds = 0.0
         for i in range(start // self.chunk_tokens, -(-end // self.chunk_tokens)):
             # Whole chunks are read even when only part of one is needed.
             seconds += chunk_bytes / self.read_bytes_per_s.get(chunk_tiers[i], self.default_read_bytes_per_s)
@@ -412,7 +497,10 @@ class SchedulerRole:
         self.counters["matched_tokens"] += end - start
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
         state.load = None
-        return self._transfer(req_id, state, start, end)
+        transfer = self._transfer(req_id, state, start, end)
+        c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
+        found = tuple(state.chunk_tiers[c0:c1])
+        return replace(transfer, chunk_tiers=found) if len(found) == c1 - c0 else transfer
 
     def _recomputes_from(self, state: _Request, computed: int) -> None:
         """vLLM computes from ``computed`` on (a failed load, a preemption): save those chunks again."""

@@ -2,16 +2,19 @@
 
 Runs beside the KV tensors, one per tensor-parallel rank. It owns that rank's store: host DRAM
 (a slab in this process), the rank's own local disk directory, and the shared pool. It stores
-the rank's shard of each chunk under the shard's own key (``keys.shard_id``); for KV that every
-rank replicates (MLA), only the first rank of each replica group writes it to the pool. The
-bytes move through ``PageMover`` (``integrations/transfer.py``: streams and events on GPU).
+each of its shards of a chunk (each KV head it holds, ``config.Sharding``) under the shard's own
+key (``keys.shard_id``), so any tensor-parallel size reads them; for KV that several ranks
+replicate (MLA's latent, a KV head shared by ranks), only the first replica writes it to the
+pool. The bytes move through ``PageMover`` (``integrations/transfer.py``: streams and events on GPU).
 
 * ``register_kv_caches`` finds each layer's pages from the tensors' shapes and strides
   (``paged.block_runs``) and checks them against the page size vLLM's KV cache config states.
   A layout it cannot handle turns the connector off for this engine with one error line (the
   engine keeps serving, with no hits) instead of crashing or moving wrong bytes.
 * Loads: a background load (``load_mode: async``) starts in ``start_load_kv`` and reads the
-  chunks straight into the waiting request's blocks while the engine runs other requests;
+  chunks straight into the waiting request's blocks while the engine runs other requests, each
+  from the tier the scheduler's lookup found it in (no second lookup; a lower tier only when it
+  is gone from there);
   ``get_finished`` reports it once it is done (on every rank: vLLM waits for all), and its
   blocks that could not be read are reported through ``get_block_ids_with_load_errors`` in the
   same step (vLLM recomputes from there). A request aborted while loading stops its load; it
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 
 from kvtier.config import StoreConfig
-from kvtier.integrations.paged import LayoutError, PagedKV
+from kvtier.integrations.paged import LayoutError, PagedKV, head_dim_of
 from kvtier.integrations.transfer import Loaded, LoadJob, PageMover
 from kvtier.integrations.vllm.common import (
     KVTierMetadata,
@@ -68,7 +71,7 @@ class WorkerRole:
         self.block_size = dep.block_size
         self.chunk_tokens = store.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
-        self.shard = dep.sharding.shard_of(rank)
+        self.shards = dep.sharding.shards_of(rank)  # the head shards (or the one rank shard) it holds
         # Replicas of a shard (MLA's latent KV on every rank) reach the shared pool once.
         self.skip_tiers: tuple[str, ...] = () if dep.sharding.writes_pool(rank) else SHARED_TIERS
         self.store: TieredStore | None = None
@@ -108,14 +111,24 @@ class WorkerRole:
             return
         if num_blocks is None:
             num_blocks = kv_caches[names[0]].shape[0]
+        tensors = [kv_caches[n] for n in names]
+        sharding = self.dep.sharding
         try:
-            paged = PagedKV([kv_caches[n] for n in names], num_blocks)
+            if sharding.by_heads:
+                heads = sharding.rank_shards
+                dims = [head_dim_of(t, heads) for t in tensors]
+                if heads > 1 and None in dims:
+                    raise LayoutError(f"no dimension of its {heads} KV heads in a tensor of shape "
+                                      f"{tuple(tensors[dims.index(None)].shape)}")
+                paged = PagedKV(tensors, num_blocks, heads=heads, head_dims=dims)
+            else:
+                paged = PagedKV(tensors, num_blocks)
         except LayoutError as exc:
             self._disable(f"KV cache layout not supported: {exc}")
             return
-        if set(paged.layer_block_bytes) != {self.dep.layer_block_bytes}:
-            self._disable(f"KV pages of {sorted(set(paged.layer_block_bytes))} bytes per block per layer, but vLLM's "
-                          f"KV cache config states {self.dep.layer_block_bytes} (layout {self.dep.kv_format})")
+        if set(paged.layer_block_bytes) != {self.dep.shard_block_bytes}:
+            self._disable(f"KV pages of {sorted(set(paged.layer_block_bytes))} bytes per block per layer and shard, "
+                          f"but vLLM's KV cache config states {self.dep.shard_block_bytes} (layout {self.dep.kv_format})")
             return
         self.paged = paged
         log.info("kvtier: rank %d: %d layers, %d page runs per block, %d bytes per block, %s", self.rank,
@@ -195,8 +208,9 @@ class WorkerRole:
         for load in meta.loads:
             mover = self._usable()
             ids = self._shard_ids(load.chunk_ids)
+            tiers = [t for t in load.chunk_tiers for _ in self.shards] if load.chunk_tiers else None
             if mover is not None and not load.background:
-                got = mover.load(ids, load.block_ids, tenant_salt=load.salt)
+                got = mover.load(ids, load.block_ids, tenant_salt=load.salt, tiers=tiers)
                 self._finish_load(load, got)
                 self._sync_loads.append((load.req_id, got.num_chunks == len(load.chunk_ids)))
             elif mover is None:  # disabled: every block is a load error, and a background load is over
@@ -206,17 +220,20 @@ class WorkerRole:
                 else:
                     self._sync_loads.append((load.req_id, False))
             else:
-                self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids, tenant_salt=load.salt), load)
+                self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids, tenant_salt=load.salt,
+                                                             tiers=tiers), load)
 
     def _shard_ids(self, ids: list[ChunkId]) -> list[ChunkId]:
-        return [shard_id(c, self.shard, self.dep.sharding.num_shards) for c in ids]
+        """This rank's shard ids of logical chunks ``ids``: each chunk's shards, in order."""
+        n = self.dep.sharding.num_shards
+        return [shard_id(c, s, n) for c in ids for s in self.shards]
 
     def _finish_load(self, load: Transfer, got: Loaded) -> None:
         """Count a load that is over; its blocks past the delivered chunks are load errors."""
         bpc, n = self.blocks_per_chunk, got.num_chunks
         if n:
             slowest = max(got.chunk_tiers, key=lambda name: self._tier_order.get(name, 0))
-            self._reads.append((slowest, n * self.config.chunk_bytes, got.seconds))
+            self._reads.append((slowest, n * len(self.shards) * self.config.chunk_bytes, got.seconds))
         self.counters["loaded_tokens"] += sum(1 for b in load.block_ids[:n * bpc] if b is not None) * self.block_size
         if got.stopped:
             self.counters["stopped_loads"] += 1
@@ -243,7 +260,7 @@ class WorkerRole:
         self._holding.update(meta.finished)
         if mover is None:
             return
-        bpc, sharding = self.blocks_per_chunk, self.dep.sharding
+        bpc, num_shards = self.blocks_per_chunk, self.dep.sharding.num_shards
         finished = set(meta.finished)
         for save in meta.saves:
             tag = save.req_id if save.req_id in finished else None
@@ -251,8 +268,10 @@ class WorkerRole:
                 blocks = save.block_ids[i * bpc:(i + 1) * bpc]
                 if any(b is None for b in blocks):
                     continue
-                if mover.save(shard_id(cid, self.shard, sharding.num_shards), blocks,  # type: ignore[arg-type]
-                              skip_tiers=self.skip_tiers, tag=tag, tenant_salt=save.salt):
+                saved = [mover.save(shard_id(cid, s, num_shards), blocks, shard=j,  # type: ignore[arg-type]
+                                    skip_tiers=self.skip_tiers, tag=tag, tenant_salt=save.salt)
+                         for j, s in enumerate(self.shards)]
+                if any(saved):
                     self.counters["saved_chunks"] += 1
             if save.retain_until is not None:
                 # Chunks host DRAM already had are not written again: retained where they are.
