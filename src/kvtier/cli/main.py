@@ -1,4 +1,4 @@
-"""``kvtier`` command line: probe, pool stats|verify|gc, serve, model make, bench, plan, demo.
+"""``kvtier`` command line: probe, pool stats|verify|gc, doctor, serve, model make, bench, plan, demo.
 
 Every command takes ``--json`` and then prints exactly one JSON object on stdout (progress
 and logs go to stderr).
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-COMMANDS = ("probe", "pool", "serve", "model", "bench", "plan", "demo")
+COMMANDS = ("probe", "pool", "doctor", "serve", "model", "bench", "plan", "demo")
 """Each is a module ``kvtier.cli.<name>_cmd`` with ``add_parser(sub)`` and ``run(args) -> exit code``."""
 
 
