@@ -247,15 +247,19 @@ down() {
             sockets="$sockets $(tr '\0' '\n' <"/proc/$pid/cmdline" | grep -A1 -x -- -S | tail -n 1 || true)"
         fi
     done
+    local t_umount t_stop t_daemons
+    t_umount=$(since "$t0")
     if alive "$GLUSTERD_PID"; then
         cli volume stop "$VOL" force >/dev/null 2>&1 || log "volume stop failed (ignored)"
         cli volume delete "$VOL" >/dev/null 2>&1 || log "volume delete failed (ignored)"
     fi
+    t_stop=$(since "$t0")
     for f in "$DIR"/run/vols/"$VOL"/*.pid; do
         [ -f "$f" ] || continue
         stop_pid "$(cat "$f" 2>/dev/null || true)"
     done
     stop_pid "$GLUSTERD_PID"
+    t_daemons=$(since "$t0")
     [ -z "${GLUSTERD_PID:-}" ] && [ -f "$DIR/glusterd.pid" ] && stop_pid "$(cat "$DIR/glusterd.pid")"
     for f in $sockets; do
         case $f in /var/run/gluster/*.socket | /run/gluster/*.socket) rm -f "$f" ;; esac
@@ -276,7 +280,7 @@ down() {
         done
         rm -rf "$DIR/bricks" "$DIR/work" "$DIR/run" "$DIR/glusterd.vol" "$DIR/glusterd.pid" "$ENVFILE" "$STATE"
     fi
-    log "down in $(since "$t0") s ($DIR; logs kept in $LOGDIR)"
+    log "down in $(since "$t0") s (unmounted at $t_umount s, volume stopped and deleted at $t_stop s, daemons gone at $t_daemons s; $DIR; logs kept in $LOGDIR)"
 }
 
 status() {

@@ -282,16 +282,23 @@ def _collect(pid: int, read_fd: int, deadline: float) -> tuple[dict[str, Any] | 
 # -- the scenario --------------------------------------------------------------------------------
 
 
-def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0) -> FaultRow:
-    """``processes`` workers and one gc loop on ``pool`` for ``seconds``; then check the pool."""
+def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
+               worker_pools: Sequence[Path] | None = None, gc_pool: Path | None = None) -> FaultRow:
+    """``processes`` workers and one gc loop on ``pool`` for ``seconds``; then check the pool.
+
+    ``worker_pools`` / ``gc_pool``: the same pool as the workers (worker w uses entry w modulo
+    their number) and the gc loop reach it, e.g. through two mounts of a shared filesystem;
+    the final checks read ``pool``."""
     t0 = time.perf_counter()
     PoolTier(pool, None).close()  # the directory and its marker, before anyone races for them
     # Each writer's count of published prompts, in shared memory (one writer per slot).
     published = multiprocessing.get_context("fork").RawArray("q", processes)
     deadline = time.monotonic() + seconds
-    children = [_spawn(lambda fd, w=w: _worker(pool, w, processes, published, deadline, seed * 100 + w, fd))
+    where = list(worker_pools) if worker_pools else [pool]
+    children = [_spawn(lambda fd, w=w: _worker(where[w % len(where)], w, processes, published, deadline,
+                                               seed * 100 + w, fd))
                 for w in range(processes)]
-    gc_child = _spawn(lambda fd: _gc_loop(pool, deadline, fd))
+    gc_child = _spawn(lambda fd: _gc_loop(gc_pool or pool, deadline, fd))
 
     totals = Counts()
     pool_metrics: dict[str, float] = {}

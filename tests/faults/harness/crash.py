@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,9 +229,13 @@ def _cli_verify(pool: Path) -> tuple[int, dict[str, object]]:
 
 
 def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: bool = True,
-                 keep: bool = False) -> FaultRow:
+                 keep: bool = False, writer_pools: Sequence[Path] | None = None,
+                 kill_after_s: tuple[float, float] = KILL_AFTER_S) -> FaultRow:
     """SIGKILL ``kills`` forked writers of ``pool`` mid-stream; then verify, read back, gc.
 
+    ``writer_pools``: the same pool as each writer reaches it (writer k uses entry k modulo
+    their number), e.g. through two mounts of a shared filesystem; the checks read ``pool``.
+    ``kill_after_s``: the range of each writer's life (longer where a publish is slower).
     The pool (hundreds of MiB at the ci scale, GiBs at full) is removed afterwards when
     everything checked out, unless ``keep``; a pool that failed a check stays for a post-mortem.
     """
@@ -243,7 +247,8 @@ def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: boo
     killed_pids: set[int] = set()
     crashes = 0
     for k in range(kills):
-        outcome = _run_and_kill(pool, fsync, k, payloads, rng.uniform(*KILL_AFTER_S))
+        where = pool if not writer_pools else writer_pools[k % len(writer_pools)]
+        outcome = _run_and_kill(where, fsync, k, payloads, rng.uniform(*kill_after_s))
         acked += outcome.acked
         if outcome.expected_death:
             killed_pids.add(outcome.pid)

@@ -1,0 +1,79 @@
+"""The process-level rows of the fault matrix with the pool on GlusterFS, across two clients.
+
+The same rows as ``test_processes.py`` (writers SIGKILLed mid-write, with fsync off and on;
+2 and 4 processes writing, reading and evicting in one pool beside a gc loop), with the pool
+on a real GlusterFS volume (``tests/gluster.py``) and the processes split between its two
+mounts, which stand for two machines: every read of another process's chunk may cross
+clients, every eviction may pull a file from under another client's caches. At a smaller
+scale than the local rows (a metadata operation is a network round trip here): each row well
+under a minute.
+
+The promise is the local rows': 0 wrong bytes, 0 lost acknowledged chunks, 0 crashes, 0 stuck,
+every request served. An ESTALE from a chunk another client evicted is a counted
+``failed_reads`` (kvtier's gap, tests/test_glusterfs.py) where a local directory has none: the
+rows allow it only while ``ChunkFiles.load`` still counts ESTALE that way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gluster import estale_is_a_miss
+
+from .harness import FaultRow
+from .harness.concurrency import share_pool
+from .harness.crash import kill_writers
+
+pytestmark = pytest.mark.gluster
+
+KILLS = 16  # per row (the local rows: 40)
+KILL_AFTER_S = (0.02, 0.25)  # a writer's life (locally 2-30 ms): a publish takes milliseconds here, not tenths
+SECONDS = 6.0  # per shared-pool row (the local rows: 8)
+
+
+def _read_errors_allowed(row: FaultRow) -> None:
+    """failed_reads only from the ESTALE gap, and only while it is open."""
+    if row.extra.get("failed_reads"):
+        assert not estale_is_a_miss(), f"{row.fault}: {row.extra['failed_reads']} failed reads ({row.notes})"
+
+
+@pytest.mark.parametrize("fsync", [False, True], ids=["fsync_off", "fsync_on"])
+def test_writers_on_both_clients_sigkilled_mid_write_lose_nothing(gluster, fsync):
+    a_dir, b_dir = gluster.pair(f"crash-{'on' if fsync else 'off'}")
+    row = kill_writers(a_dir / "pool", KILLS, fsync=fsync, seed=3 if fsync else 4,
+                       writer_pools=[a_dir / "pool", b_dir / "pool"], kill_after_s=KILL_AFTER_S)
+    print(f"\n{row.fault} on GlusterFS: {row.notes}; {row.requests} acknowledged; {row.seconds:.1f} s")
+    row.check()
+    x = row.extra
+    assert row.requests == x["acknowledged"] > 0
+    assert x["verify_bad"] == []
+    assert x["gc_removed_temp_files"] == x["temp_files"] + x["root_temp_files"]
+    assert x["temp_files_after_gc"] == 0
+    assert (x["cli_verify_rc"], x["cli_verify_checked"]) == (0, x["chunks_in_pool"])
+
+
+def _check_shared(row: FaultRow) -> None:
+    print(f"\n{row.fault} on GlusterFS: {row.notes}; failed_reads {row.extra['failed_reads']}, "
+          f"failed_writes {row.extra['failed_writes']}; {row.seconds:.1f} s")
+    row.check()
+    x = row.extra
+    assert x["corrupt_chunks"] == 0
+    _read_errors_allowed(row)
+    assert x["final_verify_bad"] == [] and x["final_wrong"] == 0 and x["final_unknown"] == 0
+    assert x["final_identical"] == x["final_chunks"]
+    # The run exercised what it claims: hits on other processes' chunks (half of them written
+    # through the other mount), chunks evicted under readers (by a worker or gc), gc runs.
+    assert int(x["full_hits"]) > 0 and int(x["evictions"]) + int(x["gc_evicted"]) > 0 and int(x["gc_runs"]) > 0
+
+
+def test_two_processes_one_per_client_share_one_pool_beside_gc_on_the_second(gluster):
+    a_dir, b_dir = gluster.pair("share-2")
+    row = share_pool(a_dir / "pool", 2, SECONDS, seed=2, worker_pools=[a_dir / "pool", b_dir / "pool"],
+                     gc_pool=b_dir / "pool")
+    _check_shared(row)
+
+
+def test_four_processes_two_per_client_share_one_pool_beside_gc_on_the_first(gluster):
+    a_dir, b_dir = gluster.pair("share-4")
+    row = share_pool(a_dir / "pool", 4, SECONDS, seed=4, worker_pools=[a_dir / "pool", b_dir / "pool"])
+    _check_shared(row)
