@@ -23,6 +23,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import threading
@@ -416,7 +417,7 @@ class ChunkFiles:
             pass
 
     def scan(self) -> Iterator[ChunkFile]:
-        """Every published chunk file (never temp files), in directory order.
+        """Every published chunk file (never temp files), shard directory by shard directory.
 
         Only names a chunk can have are listed: 64 lowercase hex digits + ``.kvt`` in the
         shard directory its key names (``path_for(key)``); anything else planted there is
@@ -424,21 +425,40 @@ class ChunkFiles:
         its own size, so a link to a huge file cannot inflate the pool's total, and reading
         it fails as NOT_A_FILE so verify and load remove it.
         """
-        for entry in self._entries():
+        for shard in self.shard_dirs():
+            yield from self.scan_shard(shard)
+
+    def shard_dirs(self) -> list[str]:
+        """The shard directories ``"ab/cd"`` that exist now, in name order: one listing of ROOT
+        and one of each ``ab``, however many chunks they hold (at most 257 listings). Only
+        lowercase hex names that are real directories (not symlinks) count."""
+        return [f"{ab}/{cd}" for ab in _subdir_names(self._root_str)
+                for cd in _subdir_names(f"{self._root_str}/{ab}")]
+
+    def scan_shard(self, shard: str) -> list[ChunkFile]:
+        """The published chunk files of one shard directory ``"ab/cd"`` (see ``scan``): one
+        listing and one ``lstat`` per chunk name; [] when the directory is gone or unreadable."""
+        ab, _, cd = shard.partition("/")
+        folder = f"{self._root_str}/{shard}"
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return []
+        out: list[ChunkFile] = []
+        for entry in entries:
             name = entry.name
-            if len(name) != _NAME_CHARS or not name.endswith(SUFFIX):
-                continue
+            if len(name) != _NAME_CHARS or not name.endswith(SUFFIX) or name[:2] != ab or name[2:4] != cd:
+                continue  # not a chunk name, or a real name in another chunk's shard
             h = name[: -len(SUFFIX)]
-            shard = os.path.dirname(entry.path)
             try:
                 key = ChunkKey(bytes.fromhex(h))
-                if key.hex() != h or os.path.basename(shard) != h[2:4] or \
-                        os.path.basename(os.path.dirname(shard)) != h[:2]:
-                    continue  # upper case, spaces (fromhex skips them) or a misplaced file
+                if key.hex() != h:
+                    continue  # upper case, or spaces (fromhex skips them)
                 st = entry.stat(follow_symlinks=False)
             except (ValueError, OSError):
                 continue  # a stray name, or removed since the listing
-            yield ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime)
+            out.append(ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime))
+        return out
 
     def temp_files(self) -> Iterator[tuple[Path, float]]:
         """Temp files (writes in progress or left by crashed writers) and their mtimes."""
@@ -451,13 +471,12 @@ class ChunkFiles:
 
     def _entries(self) -> Iterator[os.DirEntry[str]]:
         """Entries of every shard directory ``ROOT/ab/cd``; vanished directories are skipped."""
-        for shard in _subdirs(self.root):
-            for sub in _subdirs(shard):
-                try:
-                    entries = list(os.scandir(sub))
-                except OSError:
-                    continue
-                yield from entries
+        for shard in self.shard_dirs():
+            try:
+                entries = list(os.scandir(f"{self._root_str}/{shard}"))
+            except OSError:
+                continue
+            yield from entries
 
 
 class Counter:
@@ -503,14 +522,23 @@ class Absent:
             self._until.pop(key, None)
 
 
-def _subdirs(path: Path) -> Iterator[Path]:
+_HEX2 = re.compile(r"[0-9a-f]{2}")
+
+
+def _subdir_names(path: str) -> list[str]:
+    """Sorted names of the two-hex-digit subdirectories of ``path`` ([] when it is gone)."""
     try:
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        entries = list(os.scandir(path))
     except OSError:
-        return
+        return []
+    names = []
     for entry in entries:
-        if len(entry.name) == 2 and entry.is_dir(follow_symlinks=False):
-            yield Path(entry.path)
+        try:
+            if _HEX2.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                names.append(entry.name)
+        except OSError:
+            continue
+    return sorted(names)
 
 
 def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:
