@@ -100,37 +100,6 @@ def _run(action: str, workdir: Path, timeout_s: float) -> subprocess.CompletedPr
                           timeout=timeout_s, check=False, stdin=subprocess.DEVNULL)
 
 
-def estale_is_a_miss() -> bool:
-    """Whether ``ChunkFiles.load`` counts an ESTALE open (a chunk another client unlinked while this
-    one's caches still held it: GlusterFS returns that for about a second) as a miss
-    (``read_races``), as it does ENOENT. Simulated on a local directory, so tests on the mount can
-    tell kvtier's known gap from a new fault and tighten by themselves once it is closed."""
-    import errno
-    import tempfile
-    from unittest import mock
-
-    from conftest import Tiny
-    from kvtier.metrics import TierMetrics
-    from kvtier.tiers import files as files_mod
-
-    tiny = Tiny()
-    (chunk,) = tiny.chunks(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        files = files_mod.ChunkFiles(Path(tmp) / "pool", direct_io=False)
-        files.publish(chunk, tiny.spec())
-        real_open = os.open
-
-        def stale_open(path: str | os.PathLike[str], flags: int, *args: object, **kwargs: object) -> int:
-            if os.fspath(path).endswith(files_mod.SUFFIX):
-                raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), os.fspath(path))
-            return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
-
-        with mock.patch.object(files_mod.os, "open", stale_open):
-            metrics = TierMetrics("pool")
-            got = files.load(chunk.id, tiny.spec(), None, metrics, 60.0)
-    return got.status.value == "miss" and metrics.snapshot().read_races == 1
-
-
 @pytest.fixture(scope="session")
 def gluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gluster]:
     reason = unavailable()

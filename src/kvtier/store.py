@@ -61,11 +61,11 @@ from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
 from kvtier.retention import Retention
+from kvtier.threads import Failures, ThreadInit, executor
 from kvtier.tiers.base import Chunk, Level, Status, Tier, aligned_buffer
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import HostCache, Lease
 from kvtier.tiers.locate import locate
-from kvtier.threads import Failures, ThreadInit, executor
 from kvtier.tiers.opening import open_tiers
 from kvtier.writer import BackgroundWriter
 
@@ -222,7 +222,7 @@ class TieredStore:
         if tiers is None and host is None and config.host_bytes > 0:
             host = HostCache(config.host_bytes, config.layout, config.chunk_tokens)
         self.host: HostCache | None = host
-        self.tiers: list[Tier] = list(tiers) if tiers is not None else open_tiers(config, unavailable)
+        self.tiers: list[Tier] = list(tiers) if tiers is not None else open_tiers(config, unavailable, thread_init)
         self.store_metrics = TierMetrics("store")
         self._failures = Failures(self.store_metrics)
         self._specs: OrderedDict[bytes, ChunkSpec] = OrderedDict()  # by namespace digest, LRU
@@ -340,7 +340,7 @@ class TieredStore:
         DRAM when it holds the chunk now (an in-memory check), else the named tier or, when that
         one is cooling down or gone, the first usable one below it. Ends where none is left."""
         located: list[Level] = []
-        for cid, name in zip(ids, names):
+        for cid, name in zip(ids, names, strict=False):  # names may cover a prefix only
             if self.host is not None and (name == self.host.name or self.host.lookup([cid])):
                 located.append(self.host)
                 continue

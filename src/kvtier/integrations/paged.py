@@ -103,7 +103,7 @@ def head_runs(kv: torch.Tensor, num_blocks: int, heads: int, head_dim: int | Non
         raise LayoutError(f"KV cache tensor {tuple(kv.shape)} strides {kv.stride()}: innermost dim "
                           "not contiguous")
     elem = kv.element_size()
-    shape = list(kv.shape[:-1]) + [kv.shape[-1] * elem]  # the innermost dim in bytes
+    shape = [*kv.shape[:-1], kv.shape[-1] * elem]  # the innermost dim in bytes
     strides = [s * elem for s in kv.stride()[:-1]] + [1]
     if shape[0] == num_blocks:
         block_dim = 0

@@ -42,8 +42,8 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
 from kvtier.keys import DIGEST_BYTES, ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
+from kvtier.threads import ThreadInit, executor
 from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
-from kvtier.threads import executor
 from kvtier.tiers.pagecache import cached_bytes
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
 _NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
 MAX_ABSENT = 1 << 16  # keys a pool remembers as absent (parallel_lookups)
+SHARD_RACE_TRIES = 4  # publish attempts while other clients create the same shard directory
 
 OWNER_FILE_MODE, OWNER_DIR_MODE = 0o600, 0o700
 # setgid on directories: files and subdirectories created inside inherit the group.
@@ -168,11 +169,12 @@ class ChunkFiles:
         except OSError:
             return None
 
-    def parallel_lookups(self, threads: int, negative_ttl_s: float) -> None:
+    def parallel_lookups(self, threads: int, negative_ttl_s: float, init: ThreadInit | None = None) -> None:
         """Make ``leading_present`` keep up to ``threads`` stats in flight and remember absent
         chunks for ``negative_ttl_s`` (for a directory on a network filesystem, where each stat
-        is a round trip: the shared pool). ``publish`` forgets a chunk's absence at once."""
-        self._stat_pool = executor(threads, "kvtier-stat") if threads > 1 else None
+        is a round trip: the shared pool). ``publish`` forgets a chunk's absence at once.
+        ``init`` runs first in each of those threads (``threads.py``)."""
+        self._stat_pool = executor(threads, "kvtier-stat", init) if threads > 1 else None
         if self._stat_pool is not None:  # its idle threads go with this object (no close in the Tier protocol)
             weakref.finalize(self, self._stat_pool.shutdown, wait=False)
         self._absent = Absent(negative_ttl_s) if negative_ttl_s > 0 else None
@@ -225,11 +227,20 @@ class ChunkFiles:
         header = spec.header_for(chunk.id, payload).pack()
         pad = spec.file_bytes - PAYLOAD_OFFSET - len(payload)
         buffers: list[bytes | memoryview] = [header, payload, _ZEROS[:pad]]
-        try:
-            write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
-        except FileNotFoundError:
-            self._make_shard(final.parent)  # the first chunk of its shard (or the root is gone)
-            write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
+        for attempt in range(SHARD_RACE_TRIES):
+            try:
+                write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
+                break
+            except OSError as exc:
+                # The first chunk of its shard (or the root is gone). Another client creating the
+                # same shard directory at that moment can make mkdir ESTALE, or the create after
+                # EEXIST ENOENT, on a network filesystem (GlusterFS): try again, a few times.
+                if attempt + 1 == SHARD_RACE_TRIES or not (
+                        isinstance(exc, FileNotFoundError) or exc.errno == errno.ESTALE):
+                    raise
+                if attempt:
+                    time.sleep(0.01 * 4 ** attempt)  # 40, 160 ms: the client's cached "no such directory" expires
+                self._make_shard(final.parent)
         if self.fsync:
             _fsync_dir(final.parent)
         if self._absent is not None:
@@ -246,7 +257,17 @@ class ChunkFiles:
             try:
                 self.make_dir(d)
             except FileExistsError:
-                pass
+                try:
+                    os.stat(d)  # made by another client: look it up, so this client's cache learns it
+                except OSError:
+                    pass
+            except OSError as exc:
+                # Another client making the same directories (GlusterFS): mkdir is ESTALE, or
+                # ENOENT while this client has not yet seen the parent it just made. publish
+                # tries again a little later.
+                if exc.errno not in (errno.ESTALE, errno.ENOENT):
+                    raise
+                return
 
     # -- read -------------------------------------------------------------------------------
 
@@ -300,7 +321,12 @@ class ChunkFiles:
         t0 = time.perf_counter()
         try:
             got = self.read(cid, spec, into)
-        except FileNotFoundError:
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ESTALE:
+                metrics.add(failed_reads=1)
+                return LoadResult(Status.ERROR, error=str(exc))
+            # Gone since the lookup; on a network filesystem (NFS, GlusterFS) a file another client
+            # removed or replaced is ESTALE for a while (the client's cached handle), not ENOENT.
             metrics.add(read_races=1)
             return LoadResult(Status.MISS)
         except ChunkError as exc:
@@ -311,9 +337,6 @@ class ChunkFiles:
                 log.warning("could not remove bad chunk %s (%s): %s", cid.key.hex()[:12], exc, rm_exc)
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
-        except OSError as exc:
-            metrics.add(failed_reads=1)
-            return LoadResult(Status.ERROR, error=str(exc))
         metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
         self.touch(cid.key, touch_interval_s)
         return LoadResult(Status.HIT, got)

@@ -7,14 +7,16 @@ from collections.abc import Callable
 
 from kvtier.config import StoreConfig
 from kvtier.errors import TierUnavailableError
+from kvtier.threads import ThreadInit
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 from kvtier.tiers.redis import is_redis_url
 
 
-def open_pool_tier(config: StoreConfig) -> Tier | None:
-    """The shared tier ``config.pool_url`` names (fs pool or Redis), or None when unset."""
+def open_pool_tier(config: StoreConfig, thread_init: ThreadInit | None = None) -> Tier | None:
+    """The shared tier ``config.pool_url`` names (fs pool or Redis), or None when unset;
+    ``thread_init`` runs first in the threads it starts (``threads.py``)."""
     if config.pool_url is None:
         return None
     if is_redis_url(config.pool_url):
@@ -26,12 +28,12 @@ def open_pool_tier(config: StoreConfig) -> Tier | None:
                          options=config.redis_options)
     pool = PoolTier(parse_pool_url(config.pool_url), config.pool_bytes, fsync=config.fsync,
                     direct_io=config.direct_io, group_access=config.group_access)
-    pool.files.parallel_lookups(config.lookup_threads, config.lookup_negative_ttl_s)
+    pool.files.parallel_lookups(config.lookup_threads, config.lookup_negative_ttl_s, thread_init)
     return pool
 
 
-def open_tiers(config: StoreConfig,
-               unavailable: Callable[[str, TierUnavailableError], None] | None = None) -> list[Tier]:
+def open_tiers(config: StoreConfig, unavailable: Callable[[str, TierUnavailableError], None] | None = None,
+               thread_init: ThreadInit | None = None) -> list[Tier]:
     """The tiers below host DRAM that ``config`` names, fastest first.
 
     A disk or pool tier that cannot be used raises TierUnavailableError, unless
@@ -57,7 +59,7 @@ def open_tiers(config: StoreConfig,
             optional("disk", lambda: DiskTier(disk_path, config.disk_bytes, fsync=config.fsync,
                                               direct_io=config.direct_io,
                                               group_access=config.group_access))
-        optional("pool", lambda: open_pool_tier(config))
+        optional("pool", lambda: open_pool_tier(config, thread_init))
     except BaseException:
         # Release what opened before the failure (the disk tier's exclusive lock above all).
         for tier in tiers:

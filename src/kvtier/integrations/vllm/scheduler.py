@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from kvtier.config import StoreConfig
 from kvtier.errors import TierUnavailableError
+from kvtier.identity import AdapterIdentities
 from kvtier.integrations.vllm.common import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -63,7 +64,6 @@ from kvtier.integrations.vllm.common import (
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
 from kvtier.integrations.vllm.events import ChunkEvents
-from kvtier.identity import AdapterIdentities
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.tiers.base import Level, Tier

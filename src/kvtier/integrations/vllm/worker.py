@@ -128,7 +128,8 @@ class WorkerRole:
             return
         if set(paged.layer_block_bytes) != {self.dep.shard_block_bytes}:
             self._disable(f"KV pages of {sorted(set(paged.layer_block_bytes))} bytes per block per layer and shard, "
-                          f"but vLLM's KV cache config states {self.dep.shard_block_bytes} (layout {self.dep.kv_format})")
+                          f"but vLLM's KV cache config states {self.dep.shard_block_bytes} "
+                          f"(layout {self.dep.kv_format})")
             return
         self.paged = paged
         log.info("kvtier: rank %d: %d layers, %d page runs per block, %d bytes per block, %s", self.rank,
