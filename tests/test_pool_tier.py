@@ -15,6 +15,7 @@ import pytest
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, payload_checksum, unpack_header
 from kvtier.tiers import files as files_mod
 from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.ledger import read_usage
 from kvtier.tiers.pool import PoolTier, parse_pool_url
 
 FILE = 8192
@@ -46,6 +47,11 @@ def _kvt_files(root: Path) -> list[Path]:
 
 def _bytes_on_disk(root: Path) -> int:
     return sum(p.stat().st_size for p in _kvt_files(root))
+
+
+def _total(root: Path) -> int | None:
+    """The pool's byte count as every instance reads it (base + ledgers)."""
+    return read_usage(root).total
 
 
 @pytest.mark.parametrize(("url", "path"), [("fs:///mnt/pool", "/mnt/pool"), ("fs://rel/pool", "rel/pool"),
@@ -210,27 +216,42 @@ def test_evict_removes_least_recently_used_by_mtime(open_pool, tiny):
         os.utime(pool.files.path_for(ch.id.key), (now - age, now - age))
     assert pool.evict(2 * FILE) == 3
     assert {f.key for f in pool.files.scan()} == {chunks[1].id.key, chunks[3].id.key}
-    assert json.loads((pool.files.root / ".usage").read_text())["bytes"] == 2 * FILE
+    assert _total(pool.files.root) == 2 * FILE  # a pass that saw the whole pool anchored the count
     snap = pool.metrics.snapshot()
     assert (snap.evictions, snap.evicted_bytes, snap.chunks, snap.bytes) == (3, 3 * FILE, 2, 2 * FILE)
 
 
 def test_budget_holds_across_instances_with_exact_lru(open_pool, tiny, pool_dir):
-    """Two instances sharing one budget of 10 chunks; each syncs after every chunk."""
+    """Two instances share a budget of 10 chunks, each syncing after every chunk; their
+    evictors run beside the writes. The pool never holds more than the stated bound, and once
+    the evictors settle what is left is the newest chunks, under budget."""
     capacity = 10 * FILE
     tiers = [open_pool(capacity, sync_bytes=FILE), open_pool(capacity, sync_bytes=FILE)]
+    bound = tiers[0].cap_bytes + (len(tiers) - 1) * FILE  # cap + (instances - 1) x sync_bytes
     chunks = tiny.chunks(30, seed=7)
     base = time.time() - 1000
+    written = []
     for i, ch in enumerate(chunks):
-        assert tiers[i % 2].store(ch, tiny.spec()).status is Status.WRITTEN
-        # Pin mtimes to write order so LRU is exact whatever the clock granularity.
-        os.utime(tiers[0].files.path_for(ch.id.key), (base + i, base + i))
-        assert _bytes_on_disk(pool_dir) <= capacity
-    # Over budget at 11 chunks -> down to 9 (low watermark), so 2 go per 2 writes after the 10th.
-    assert {f.key for f in tiers[0].files.scan()} == {ch.id.key for ch in chunks[20:]}
+        result = tiers[i % 2].store(ch, tiny.spec())
+        assert result.status in (Status.WRITTEN, Status.FAILED), result
+        if result.status is Status.WRITTEN:
+            written.append(ch)
+            # Pin mtimes to write order so LRU is exact whatever the clock granularity.
+            os.utime(tiers[0].files.path_for(ch.id.key), (base + i, base + i))
+        else:
+            assert "cap" in result.error  # refused, never blocked: eviction was behind
+        assert _bytes_on_disk(pool_dir) <= bound
+    for tier in tiers:
+        tier.sync()
+    for tier in tiers:
+        assert tier.evictor.settle()
+    left = {f.key for f in tiers[0].files.scan()}
+    assert 0 < len(left) <= 10 and _bytes_on_disk(pool_dir) <= capacity
+    assert left == {ch.id.key for ch in written[-len(left):]}  # the newest ones, exactly
     evicted = sum(t.metrics.snapshot().evictions for t in tiers)
-    assert evicted == 20
-    assert json.loads((pool_dir / ".usage").read_text())["bytes"] == 10 * FILE
+    refused = sum(t.metrics.snapshot().budget_refusals for t in tiers)
+    assert evicted == len(written) - len(left) and refused == len(chunks) - len(written)
+    assert _total(pool_dir) == _bytes_on_disk(pool_dir)
 
 
 def test_budget_holds_across_two_stores(make_store, tiny, pool_dir):
@@ -241,11 +262,12 @@ def test_budget_holds_across_two_stores(make_store, tiny, pool_dir):
         stores[seed % 2].put(tiny.tokens(n, seed), tiny.kv(n, seed))
     for store in stores:
         store.flush()
-    assert len(_kvt_files(pool_dir)) == 16  # between syncs the pool may overshoot (bounded)
     for store in stores:
-        store.close()  # closing syncs this instance's bytes into the shared total
+        store.tiers[0].sync()  # each instance's bytes into its ledger, the other's read
+    for store in stores:
+        assert store.tiers[0].evictor.settle()
     assert _bytes_on_disk(pool_dir) <= capacity
-    assert json.loads((pool_dir / ".usage").read_text())["bytes"] == _bytes_on_disk(pool_dir)
+    assert _total(pool_dir) == _bytes_on_disk(pool_dir)
     evicted = sum(s.metrics_snapshot()["tiers"]["pool"]["evictions"] for s in stores)
     assert evicted == 16 - len(_kvt_files(pool_dir)) == 7  # down to the 90% low watermark
 
@@ -397,13 +419,16 @@ def test_a_fifo_planted_as_usage_never_blocks_sync(open_pool, tiny, pool_dir):
     """Before: sync() opened .usage for reading and blocked on the FIFO forever, holding the
     fleet-wide lock, so every instance's writer hung behind it."""
     pool = open_pool(capacity_bytes=3 * FILE)
+    assert pool.evictor.settle()
+    (pool_dir / ".usage").unlink()  # the base the first count anchored
     os.mkfifo(pool_dir / ".usage")
     for ch in tiny.chunks(5):
         pool.store(ch, tiny.spec())
-    total = _within(pool.sync, 5.0)
-    assert total <= 3 * FILE  # recounted and evicted as if .usage were missing
-    assert _bytes_on_disk(pool_dir) == total
-    assert not (pool_dir / ".usage").is_fifo()  # replaced by a real usage file
+    _within(pool.sync, 5.0)
+    assert _within(pool.evictor.settle, 10.0)
+    assert _bytes_on_disk(pool_dir) <= 3 * FILE  # counted and evicted as if .usage were missing
+    assert _total(pool_dir) == _bytes_on_disk(pool_dir)
+    assert not (pool_dir / ".usage").is_fifo()  # replaced by a real base
 
 
 def test_a_symlink_planted_as_the_eviction_log_is_never_read(open_pool, tiny, pool_dir):
@@ -441,17 +466,21 @@ def test_a_fifo_planted_as_the_eviction_log_never_blocks_an_eviction(open_pool, 
     assert _within(lambda: pool.evict(0), 5.0) == 3
 
 
-@pytest.mark.parametrize("usage", [{"bytes": -10**18, "scanned_at": time.time()},
-                                   {"bytes": 0, "scanned_at": 1e30},
-                                   {"bytes": 0, "scanned_at": float("nan")},
-                                   {"bytes": "x" * 100_000, "scanned_at": 0}])
+@pytest.mark.parametrize("usage", [{"bytes": -10**18, "anchored_at": time.time()},
+                                   {"bytes": 0, "anchored_at": 1e30},
+                                   {"bytes": 0, "anchored_at": float("nan")},
+                                   {"bytes": "x" * 100_000, "anchored_at": 0},
+                                   {"bytes": 10**18, "anchored_at": time.time()}])
 def test_nonsense_in_usage_means_a_recount(open_pool, tiny, pool_dir, usage):
     pool = open_pool(capacity_bytes=2 * FILE)
-    (pool_dir / ".usage").write_text(json.dumps(usage))  # a neighbour's, before we write
+    assert pool.evictor.settle()
+    (pool_dir / ".usage").write_text(json.dumps(usage))  # a neighbour's
     for ch in tiny.chunks(4):
         pool.store(ch, tiny.spec())
-    assert pool.sync() <= 2 * FILE
+    pool.sync()
+    assert pool.evictor.settle()
     assert _bytes_on_disk(pool_dir) <= 2 * FILE
+    assert _total(pool_dir) == _bytes_on_disk(pool_dir)  # the count replaced the nonsense
 
 
 def test_a_filesystem_that_cannot_lock_still_keeps_the_budget_and_no_bytes_are_lost(open_pool, tiny, pool_dir,
@@ -461,37 +490,42 @@ def test_a_filesystem_that_cannot_lock_still_keeps_the_budget_and_no_bytes_are_l
     import errno as errno_mod
     import fcntl
 
-    from kvtier.tiers import pool as pool_mod
+    from kvtier.tiers import poollock as poollock_mod
 
     def no_locks(fd, op):  # type: ignore[no-untyped-def]
         raise OSError(errno_mod.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(pool_mod.fcntl, "flock", no_locks)
+    monkeypatch.setattr(poollock_mod.fcntl, "flock", no_locks)
     pool = open_pool(capacity_bytes=3 * FILE, sync_bytes=1 << 40)
     assert not pool.lock_works
     assert "cannot lock" in caplog.text
     for ch in tiny.chunks(6):
-        pool.store(ch, tiny.spec())  # over budget: each store syncs, unlocked
+        pool.store(ch, tiny.spec())  # over budget: the evictor runs, unlocked
+    assert pool.evictor.settle()
     assert _bytes_on_disk(pool_dir) <= 3 * FILE
     assert pool.metrics.snapshot().lock_failures >= 2
-    monkeypatch.setattr(pool_mod.fcntl, "flock", fcntl.flock)
+    pool.sync()  # the counts of a ledger never written before (sync_bytes is huge) are all there
+    added, removed = pool.ledger.added, pool.ledger.removed
+    assert (added, added - removed) == (6 * FILE, _bytes_on_disk(pool_dir))
+    monkeypatch.setattr(poollock_mod.fcntl, "flock", fcntl.flock)
 
 
 def test_a_failed_sync_keeps_its_pending_bytes(open_pool, tiny, monkeypatch):
     pool = open_pool(capacity_bytes=1 << 40, sync_bytes=1 << 40)
     for ch in tiny.chunks(3):
         pool.store(ch, tiny.spec())
-    assert pool._pending == 3 * FILE
+    assert pool.ledger.unsynced() == (3 * FILE, 0)
 
     def full(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(pool, "_write_usage", full)
+    monkeypatch.setattr(pool.files, "write_small", full)
     with pytest.raises(OSError):
         pool.sync()
-    assert pool._pending == 3 * FILE  # kept for the next sync
+    assert pool.ledger.unsynced() == (3 * FILE, 0)  # kept for the next sync
     monkeypatch.undo()
     assert pool.sync() == 3 * FILE
+    assert pool.ledger.unsynced() == (0, 0)
 
 
 def test_a_lock_file_replaced_by_a_symlink_or_fifo_is_not_used(open_pool, tiny, pool_dir, tmp_path):
@@ -502,8 +536,14 @@ def test_a_lock_file_replaced_by_a_symlink_or_fifo_is_not_used(open_pool, tiny, 
     (pool_dir / ".lock").symlink_to(target)
     for ch in tiny.chunks(4):
         pool.store(ch, tiny.spec())
-    assert _within(pool.sync, 5.0) <= 2 * FILE
-    assert pool.metrics.snapshot().lock_failures >= 1
+    _within(pool.sync, 5.0)
+    assert _within(pool.evictor.settle, 10.0)
+    assert _bytes_on_disk(pool_dir) <= 2 * FILE
+    assert pool.metrics.snapshot().lock_failures >= 1  # the anchor's ROOT/.lock
     (pool_dir / ".lock").unlink()
     os.mkfifo(pool_dir / ".lock")
-    assert _within(pool.sync, 5.0) <= 2 * FILE
+    for ch in tiny.chunks(4, seed=5):
+        pool.store(ch, tiny.spec())
+    _within(pool.sync, 5.0)
+    assert _within(pool.evictor.settle, 10.0)
+    assert _bytes_on_disk(pool_dir) <= 2 * FILE

@@ -1,8 +1,10 @@
 """Operator commands on a chunk directory (a pool or a disk tier): stats, verify, gc.
 
-These run beside live engines: verify only removes files it proved bad, gc evicts under the
-same lock and by the same LRU rule (oldest mtime first) the pool tier uses, and temp files are
-removed only when older than ``tmp_age_s`` (a live writer finishes in well under that).
+These run beside live engines: verify only removes files it proved bad; gc lists the pool with
+no lock held, evicts by the LRU rule the pool tier approximates (oldest mtime first, retained
+chunks last), exactly, under the pool's eviction lease, and re-anchors the pool's byte count;
+temp files are removed only when older than ``tmp_age_s`` (a live writer finishes in well
+under that).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 import stat
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +31,13 @@ from kvtier.format import (
     file_bytes_for,
     unpack_header,
 )
-from kvtier.keys import recompute_key
+from kvtier.keys import DIGEST_BYTES, ChunkKey, recompute_key
 from kvtier.layout import DTYPES_BY_CODE
+from kvtier.metrics import TierMetrics
+from kvtier.tiers.evict import LOG_BATCH, EvictionLog
 from kvtier.tiers.files import MARKER, ChunkFiles
-from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.ledger import anchor, fold_dead, read_usage, remove_orphans
+from kvtier.tiers.poollock import PoolLocks
 
 
 def open_existing(path: str | os.PathLike[str]) -> ChunkFiles:
@@ -218,8 +224,22 @@ class GcReport:
     removed_temp_files: int
 
 
+GC_LEASE_WAIT_S = 60.0  # gc waits this long for an eviction round in progress, then goes on beside it
+GC_FOLD_BATCHES = 16
+
+
 def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) -> GcReport:
-    """Evict least recently used chunks down to ``max_bytes``; remove stale temp files."""
+    """Evict least recently used chunks down to ``max_bytes`` exactly; remove stale temp files;
+    make the pool's byte count exact again (an anchor, ``tiers/ledger.py``).
+
+    Every chunk is listed and ``lstat``-ed with no lock held (live engines go on writing and
+    evicting); then, under the eviction lease (so that no instance's round runs meanwhile;
+    after ``GC_LEASE_WAIT_S`` it goes on beside one, harmlessly), chunks are unlinked oldest
+    mtime first (retained chunks, whose mtime is in the future, last) until what the listing
+    found, less what is gone, is within ``max_bytes``; then dead instances' ledgers are folded
+    and the total is anchored to that count, which corrects any drift (crashed writers,
+    manual deletes). ``bytes_after`` is that count. Memory: 48 bytes per chunk in the pool.
+    """
     files = open_existing(path)
     removed_tmp = 0
     cutoff = time.time() - tmp_age_s
@@ -230,17 +250,53 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
                 removed_tmp += 1
             except FileNotFoundError:
                 pass
-    pool = PoolTier(files.root, max_bytes, group_access=files.group_access)
-    evicted = pool.evict(max_bytes)
-    return GcReport(str(files.root), evicted, pool.metrics.snapshot().bytes, removed_tmp)
+    locks = PoolLocks(files, TierMetrics("pool"))
+    before = read_usage(files.root)
+    mtimes, sizes, keys = array("d"), array("q"), bytearray()
+    for shard in files.shard_dirs():
+        for f in files.scan_shard(shard):
+            mtimes.append(f.mtime)
+            sizes.append(f.size)
+            keys += f.key
+    total = sum(sizes)
+    evicted = 0
+    log = EvictionLog(files)
+    with locks.lease(GC_LEASE_WAIT_S):
+        batch: list[bytes] = []
+        for i in sorted(range(len(mtimes)), key=mtimes.__getitem__):
+            if total <= max_bytes:
+                break
+            key = ChunkKey(bytes(keys[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]))
+            try:
+                os.unlink(files.path_for(key))
+            except FileNotFoundError:
+                total -= sizes[i]  # another evictor took it: gone all the same, not counted here
+                continue
+            except OSError:
+                continue  # cannot be removed (another user's file in a read-only shard): it stays
+            total -= sizes[i]
+            evicted += 1
+            batch.append(key)
+            if len(batch) >= LOG_BATCH:
+                log.append(batch)
+                batch = []
+        log.append(batch)
+        for _ in range(GC_FOLD_BATCHES):
+            candidates = read_usage(files.root).foldable(time.time())
+            if not candidates or not fold_dead(files, locks, candidates):
+                break
+        remove_orphans(files)
+        anchor(files, locks, total, before)
+    return GcReport(str(files.root), evicted, total, removed_tmp)
 
 
 def _temp_files(files: ChunkFiles) -> list[tuple[Path, float]]:
     """Every temp file a writer may leave when it dies between create and rename, and its mtime.
 
     Chunk writes leave theirs in the shard directories; the small files written the same way
-    (``ROOT/.usage`` at every budget sync, the marker, ``ROOT/namespaces/*.json``) leave
-    theirs beside them, where ``ChunkFiles.temp_files`` does not look.
+    (``ROOT/.usage`` at every anchor, the marker, ``ROOT/namespaces/*.json``) leave theirs
+    beside them, where ``ChunkFiles.temp_files`` does not look. (Ledger writes leave theirs in
+    ``ROOT/.usage.d``, which folding cleans: ``ledger.remove_orphans``.)
     """
     found = list(files.temp_files())
     for folder in (files.root, files.root / "namespaces"):

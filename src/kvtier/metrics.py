@@ -39,6 +39,7 @@ class TierCounters:
     thread_errors: int = 0
     dropped_retentions: int = 0
     lock_failures: int = 0
+    budget_refusals: int = 0
     undescribed_namespaces: int = 0
     chunks: int = 0
     load_lookups: int = 0
@@ -66,6 +67,7 @@ HELP = {
     "thread_errors": "Exceptions raised by background work items (logged once per place; the thread went on)",
     "dropped_retentions": "Session retentions not kept: over the bound of retained keys or queued retentions",
     "lock_failures": "Times the pool's lock file could not be locked (the budget was kept without the lock)",
+    "budget_refusals": "Chunks not published because the pool was over its budget cap (eviction behind writers)",
     "undescribed_namespaces": "Namespaces (one per cache_salt) not described in the directories: over the bound",
     "chunks": "Chunks held by this tier as known to this process",
     "bytes": "Bytes held by this tier as known to this process",

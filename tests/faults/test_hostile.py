@@ -339,7 +339,7 @@ def _fill(tiny: Any, tmp_path: Path, **overrides: Any) -> tuple[Path, Path]:
         store.flush()
     # Everything kvtier creates in a chunk directory is there to be checked.
     names = {p.name for p in pool.iterdir()}
-    assert {".kvtier", ".lock", ".usage", "namespaces"} <= names
+    assert {".kvtier", ".lock", ".usage.d", "namespaces"} <= names  # .usage.d: this instance's ledger
     assert (disk / ".lock").exists() and list((pool / "namespaces").iterdir())
     return disk, pool
 

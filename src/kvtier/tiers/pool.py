@@ -5,17 +5,36 @@ chunks are published atomically under content-addressed names, every read is val
 chunk deleted between lookup and read is a counted miss, and unlinking a file never breaks a
 reader that already opened it (POSIX; NFS keeps it alive by silly-rename).
 
-The byte budget holds across all instances by cooperative accounting under ``ROOT/.lock``
-(``flock``; on Linux NFS clients this maps to NFS byte-range locks):
+**The byte budget** holds across all instances, with no counter that they all rewrite and no
+scan of the pool under a lock:
 
-* ``ROOT/.usage`` holds the pool's total bytes as last agreed.
-* Each instance adds the bytes it published to that total every ``sync_bytes`` (so the lock
-  is taken once per many chunks, not per chunk).
-* Whoever finds the total over budget scans the pool under the lock and unlinks the least
-  recently used chunks (oldest mtime; a hit refreshes mtime at most once a minute) until the
-  pool is at ``low_watermark`` of its budget, then writes the exact total back.
+* Accounting (``tiers/ledger.py``): each instance counts the bytes it publishes and unlinks
+  in a ledger file of its own, ``ROOT/.usage.d/<instance>.json``, which it rewrites (no lock)
+  before its unwritten bytes would pass ``sync_bytes`` (1/32 of the budget, 1-256 MiB) and
+  reads the others' at the same time (a *sync*: one listing, one small read per instance).
+  The pool's total is a base (``ROOT/.usage``, the last exact count) plus every ledger.
+* Eviction (``tiers/evict.py``) runs on a thread of this tier's own, never on the writer's,
+  woken when the total is over budget, and by one instance of the fleet at a time (a
+  non-blocking lease, ``ROOT/.evict.lock``): an approximate LRU (oldest mtime first; a hit
+  refreshes mtime at most once a minute) sampled per shard directory, down to 0.9 of the
+  budget, whose cost per evicted chunk does not grow with the pool.
+* ``ROOT/.lock`` is held only to commit the base: folding at most 8 dead instances' ledgers,
+  or re-anchoring the total after a pass that counted the whole pool (reading the ledgers,
+  writing the base). A bounded handful of small-file operations, never a listing of chunks.
 
-The pool can overshoot its budget by at most ``instances x sync_bytes`` between syncs.
+**Overshoot bound.** A writer publishes a chunk only while the total it last read plus what it
+added since stays within the cap, ``budget + max(budget // 16, sync_bytes)``; past it the
+chunk is refused and counted (``budget_refusals``), never waited for. As every instance syncs
+before its unwritten bytes pass ``sync_bytes``, the pool holds at most
+
+    cap + (instances - 1) x sync_bytes      (+ sync_bytes per instance crashed since the last anchor)
+
+however far eviction lags: the last instance to read the total saw each other's ledger as it
+is now, less at most ``sync_bytes`` each. (When one instance's writer threads keep more than
+``sync_bytes`` in flight, e.g. chunks larger than it, that instance counts with its in-flight
+bytes instead.) With the defaults: budget x (1 + 1/16 + (instances - 1)/32), 1.16 x budget for
+four instances. Until a new pool (or one whose ``.usage`` was lost) has been counted once, the
+total is a sample's estimate. The ``chunks`` gauge is an estimate too (exact after a full pass).
 
 Retention (``retain``): a chunk kept for a session until a time gets that time as its mtime.
 LRU order then evicts every unretained chunk before it, across instances and by ``kvtier pool
@@ -25,47 +44,60 @@ times needs its owner: in a group-shared pool a chunk another user wrote keeps i
 Every eviction (by any instance, or gc) appends the chunk's key to ``ROOT/.evicted``, so that
 each instance can tell routers that a chunk it announced is gone (``read_evictions``).
 
-The pool's own files (``.lock``, ``.usage``, ``.evicted``) are as untrusted as its chunks in a
-group-shared pool: each is opened without following a symlink or blocking on a FIFO, must be a
-regular file, and is read only up to a fixed size (``fileio.read_small``). A filesystem that
-cannot ``flock`` (ENOLCK on an NFS mount without lockd, a FUSE daemon without locks), or a lock
-file a neighbour replaced, does not stop the budget: it is kept without the lock (concurrent
-evictors are harmless; the overshoot bound may then be exceeded), warned about once and
-counted in ``lock_failures``; and the bytes a failed sync was adding are kept for the next.
+The pool's own files (``.lock``, ``.evict.lock``, ``.usage``, ``.usage.d/*``, ``.evicted``) are
+as untrusted as its chunks in a group-shared pool: each is opened without following a symlink
+or blocking on a FIFO, must be a regular file, and is read only up to a fixed size
+(``fileio.read_small``); nonsense in one is ignored. A filesystem that cannot ``flock``
+(ENOLCK on an NFS mount without lockd, a FUSE daemon without locks), or a lock file a
+neighbour replaced, does not stop the budget: eviction goes on without the lease (concurrent
+evictors are harmless), warned about once and counted in ``lock_failures``; dead instances'
+ledgers are then not folded (each costs a read per sync until a lock works again); and bytes
+a failed sync was adding are kept for the next.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
-import logging
 import os
-import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvtier.errors import TierUnavailableError
-from kvtier.fileio import open_regular, read_small
+from kvtier.fileio import read_small
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase
+from kvtier.tiers.evict import EVICTION_LOG, HEARTBEAT_S, LOW_WATERMARK, Evictor
 from kvtier.tiers.files import ChunkFiles
-
-log = logging.getLogger(__name__)
+from kvtier.tiers.ledger import Ledger, Usage, read_usage
+from kvtier.tiers.poollock import PoolLocks
 
 TOUCH_INTERVAL_S = 60.0
-EVICTION_LOG = ".evicted"
-EVICTION_LOG_MAX_BYTES = 8 << 20  # then it starts over (a reader behind by that much misses lines)
 EVICTION_READ_MAX_BYTES = 1 << 20  # read per read_evictions call: a longer backlog is read over several
-USAGE_MAX_BYTES = 4096
-LOW_WATERMARK = 0.9
-RESCAN_INTERVAL_S = 600.0
+CAP_MARGIN = 16  # the cap is budget + max(budget // CAP_MARGIN, sync_bytes)
+REFRESH_S = 1.0  # over the cap, a writer reads the total again at most this often before refusing
+LEASE_WAIT_S = 10.0  # an explicit evict() waits this long for another evictor's round
+__all__ = ["LOW_WATERMARK", "PoolTier", "cap_bytes", "default_sync_bytes", "overshoot_bound", "parse_pool_url"]
+
+
+def default_sync_bytes(capacity_bytes: int | None) -> int:
+    """``sync_bytes`` when none is given: 1/32 of the budget, 1-256 MiB (64 MiB without one)."""
+    return 64 << 20 if capacity_bytes is None else max(1 << 20, min(256 << 20, capacity_bytes // 32))
+
+
+def cap_bytes(capacity_bytes: int, sync_bytes: int) -> int:
+    """Past this total, writers refuse to publish: ``budget + max(budget // 16, sync_bytes)``."""
+    return capacity_bytes + max(capacity_bytes // CAP_MARGIN, sync_bytes)
+
+
+def overshoot_bound(capacity_bytes: int, sync_bytes: int, instances: int, crashed: int = 0) -> int:
+    """The most the pool can hold (the module docstring's bound): ``cap + (instances - 1 +
+    crashed) x sync_bytes``, ``crashed`` counting instances that died since the last anchor."""
+    return cap_bytes(capacity_bytes, sync_bytes) + (instances - 1 + crashed) * sync_bytes
 
 
 def parse_pool_url(url: str) -> str:
@@ -93,7 +125,6 @@ class PoolTier(TierBase):
         self.capacity_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
         self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io, group_access=group_access)
-        self._lock_warned = False
         try:
             # Created here with the directory's file mode (group members must open it too);
             # a symlink planted in its place is refused, never followed, and (like a FIFO
@@ -103,15 +134,25 @@ class PoolTier(TierBase):
             if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 raise TierUnavailableError(f"cannot use {self.files.root / '.lock'} as the pool's lock file: "
                                            f"{exc.strerror or exc}") from exc
-        self.lock_works = self._probe_lock()
-        if sync_bytes is None:
-            sync_bytes = 64 << 20 if capacity_bytes is None else max(1 << 20, min(256 << 20, capacity_bytes // 32))
-        self.sync_bytes = sync_bytes
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._known_total = 0
+        self.locks = PoolLocks(self.files, self.metrics)
+        self.lock_works = self.locks.probe()
+        self.sync_bytes = sync_bytes = default_sync_bytes(capacity_bytes) if sync_bytes is None else sync_bytes
+        self.cap_bytes = None if capacity_bytes is None else cap_bytes(capacity_bytes, sync_bytes)
+        """Above this, writers refuse to publish (the overshoot bound's cap; None: no budget)."""
         self.journal: ChangeJournal = ChangeJournal()
+        self.ledger = Ledger(self.files, self.locks)
+        self._mutex = threading.Lock()  # the fields below
+        self._admission = threading.Lock()  # serialises admissions and syncs (both quick)
+        self._usage: Usage | None = None  # the last read of the ledgers and the base
+        self._view: int | None = None  # its total (None: unknown)
+        self._own_read = 0  # our ledger's part of that total (added - removed, as read)
+        self._estimate: int | None = None  # a sample's estimate, while the total is unknown
+        self._read_at = -float("inf")  # time.monotonic() of the last read
+        self._inflight = 0  # bytes admitted and not yet published (or given up)
         self._log_pos: tuple[int, int] | None = None  # (inode, offset) read so far in ROOT/.evicted
+        self.evictor = Evictor(self, self.files, self.locks, self.ledger, self.journal, self.metrics, sync_bytes)
+        if capacity_bytes is not None:
+            self.evictor.start()
 
     # -- protocol ---------------------------------------------------------------------------
 
@@ -123,33 +164,35 @@ class PoolTier(TierBase):
         return self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S)
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
+        """Publish ``chunk`` unless the pool is over its cap (then FAILED, counted in
+        ``budget_refusals``: eviction is behind). Never evicts and never waits on another
+        instance: at most a sync (its own ledger written, the others' read) every ``sync_bytes``."""
+        size = spec.file_bytes
+        refusal = self._admit(size)
+        if refusal is not None:
+            if self.files.stat_size(chunk.id.key) is not None:
+                return StoreResult(Status.EXISTS)
+            return StoreResult(Status.FAILED, refusal)
         try:
             written = self.files.publish(chunk, spec)
+            if written:
+                self.ledger.add(written)  # before the reservation goes: never counted zero times
         except OSError as exc:
             self.metrics.add(failed_writes=1)
             return StoreResult(Status.FAILED, str(exc))
+        finally:
+            with self._mutex:
+                self._inflight -= size
         if not written:
             return StoreResult(Status.EXISTS)
         self.journal.record(True, chunk.id.key)
         self.metrics.add(bytes_written=written, written_chunks=1)
-        with self._lock:
-            self._pending += written
-            due = self._pending >= self.sync_bytes or (
-                self.capacity_bytes is not None
-                and self._known_total + self._pending > self.capacity_bytes)
-        if due:
-            try:
-                self.sync()
-            except OSError as exc:
-                self.metrics.add(failed_writes=1)
-                return StoreResult(Status.WRITTEN, f"budget sync failed: {exc}")
         return StoreResult(Status.WRITTEN)
 
     def evict(self, target_bytes: int) -> int:
-        with self._shared_lock():
-            total, n = self._evict_locked(target_bytes)
-            self._write_usage(total, time.time())
-        return n
+        """One eviction round down to ``target_bytes`` now, in the caller's thread (after up to
+        ``LEASE_WAIT_S`` for another evictor's round; 0 if it is still going then)."""
+        return self.evictor.evict(target_bytes, wait_s=LEASE_WAIT_S) or 0
 
     def retain(self, key: ChunkKey, until: float) -> bool:
         """Keep the chunk ahead of unretained ones until ``until`` (epoch seconds): its mtime.
@@ -186,153 +229,88 @@ class PoolTier(TierBase):
         return keys
 
     def close(self) -> None:
-        try:
-            self.sync()
-        except OSError:
-            pass
+        """Stop the evictor (a round in progress stops at its next directory) and write the
+        final ledger, marked closed so that another instance folds it. Never raises."""
+        self.evictor.close()
+        self.ledger.close()
 
-    # -- cooperative budget -----------------------------------------------------------------
+    # -- accounting (tiers/ledger.py) -------------------------------------------------------
 
-    def sync(self) -> int:
-        """Add our published bytes to the shared total; evict if over budget. Returns total."""
-        with self._lock:
-            pending, self._pending = self._pending, 0
-        try:
-            total = self._sync_locked(pending)
-        except BaseException:
-            with self._lock:
-                self._pending += pending  # not lost: the next sync adds them
-            raise
-        with self._lock:
-            self._known_total = total
-        self.metrics.set(bytes=total)
-        return total
+    def sync(self, wake: bool = True) -> int:
+        """Write this instance's ledger (when it has counts to write or its heartbeat is due)
+        and read the pool's total, without ``ROOT/.lock``; wake the evictor when over budget
+        (unless not ``wake``: the evictor's own look). Returns the total as this instance knows
+        it. Raises OSError when the ledger cannot be written; its counts are kept for the next."""
+        with self._admission:
+            return self._sync(wake)
 
-    def _sync_locked(self, pending: int) -> int:
-        with self._shared_lock():
-            now = time.time()
-            usage = self._read_usage()
-            if usage is None or now - usage[1] > RESCAN_INTERVAL_S:
-                # Missing or old: recount, which also corrects drift from gc or manual deletes.
-                total, scanned_at = self._scan_total(), now
-            else:
-                total, scanned_at = usage[0] + pending, usage[1]
-            if self.capacity_bytes is not None and total > self.capacity_bytes:
-                total, _ = self._evict_locked(int(self.capacity_bytes * LOW_WATERMARK))
-                scanned_at = now
-            self._write_usage(total, scanned_at)
-        return total
+    def _sync(self, wake: bool = True) -> int:
+        if self.ledger.due(HEARTBEAT_S):
+            self.ledger.write()
+        usage = read_usage(self.files.root, self._usage)
+        folded = usage.base.folded(self.ledger.id) if usage.base is not None else None
+        if folded is not None:
+            self.ledger.rotate(*folded)  # we looked dead and were folded: go on under a new id
+            self.ledger.write()
+            usage = read_usage(self.files.root, usage)
+        own = usage.ledgers.get(self.ledger.id)
+        with self._mutex:
+            self._usage, self._view, self._read_at = usage, usage.total, time.monotonic()
+            self._own_read = own.added - own.removed if own is not None else 0
+            known = self._known()
+        self.metrics.set(bytes=known)
+        if wake and self.capacity_bytes is not None and (usage.total is None or known > self.capacity_bytes):
+            self.evictor.wake()
+        return known
 
-    def _evict_locked(self, target_bytes: int) -> tuple[int, int]:
-        found = sorted(self.files.scan(), key=lambda f: f.mtime)  # retained chunks: mtime in the future
-        total = sum(f.size for f in found)
-        n = 0
-        evicted: list[bytes] = []
-        for f in found:
-            if total <= target_bytes:
-                break
-            try:
-                os.unlink(f.path)
-                evicted.append(f.key)
-                self.journal.record(False, f.key)
-            except FileNotFoundError:
-                pass  # another gc got there first; its bytes are gone all the same
-            total -= f.size
-            n += 1
-            self.metrics.add(evictions=1, evicted_bytes=f.size)
-        self.metrics.set(chunks=len(found) - n, bytes=total)
-        if evicted:
-            self._log_evictions(evicted)
-        return total, n
+    def _admit(self, size: int) -> str | None:
+        """Reserve ``size`` bytes for a publish, or say why not: sync first when the bytes not
+        yet in our ledger would pass ``sync_bytes`` (or, over budget, when the total we read is
+        over a second old), then check the cap."""
+        with self._admission:
+            with self._mutex:
+                unwritten = self.ledger.unsynced()[0] + self._inflight + size
+                projected = self._known() + self._inflight + size
+                stale = time.monotonic() - self._read_at > REFRESH_S
+            over = self.capacity_bytes is not None and projected > self.capacity_bytes
+            if unwritten > self.sync_bytes or (over and stale):
+                try:
+                    self._sync()
+                except OSError as exc:
+                    if self.capacity_bytes is not None:  # unwritten bytes must stay within sync_bytes
+                        self.metrics.add(failed_writes=1)
+                        return f"budget sync failed: {exc}"
+            with self._mutex:
+                projected = self._known() + self._inflight + size
+                refused = self.cap_bytes is not None and projected > self.cap_bytes
+                if not refused:
+                    self._inflight += size
+        if self.capacity_bytes is not None and projected > self.capacity_bytes:
+            self.evictor.wake()
+        if refused:
+            self.metrics.add(budget_refusals=1)
+            return f"the pool is over its budget cap ({self.cap_bytes} B): eviction is behind; not published"
+        return None
 
-    def _log_evictions(self, keys: list[bytes]) -> None:
-        """Append to ROOT/.evicted (under the pool lock); start it over past its size limit."""
-        path = self.files.root / EVICTION_LOG
-        try:
-            st = os.lstat(path)
-            if st.st_size > EVICTION_LOG_MAX_BYTES or not stat.S_ISREG(st.st_mode):
-                os.unlink(path)  # readers notice the new inode and read the new file from its start
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return
-        try:
-            # O_NONBLOCK: a FIFO planted between the lstat and the open fails (ENXIO), never blocks.
-            fd = self.files.create_file(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
-            try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.write(fd, b"".join(k.hex().encode() + b"\n" for k in keys))
-            finally:
-                os.close(fd)
-        except OSError:
-            pass  # the log only feeds KV events; an eviction never fails for it
+    def _known(self) -> int:
+        """The total as last read, with our own ledger's part as it is now rather than as read
+        (our writes and our evictor's removals since count at once; caller holds _mutex)."""
+        if self._view is not None:
+            return max(0, self._view - self._own_read + self.ledger.added - self.ledger.removed)
+        # Unknown until the evictor's first count: a sample's estimate, or the ledgers.
+        added, removed = self.ledger.unsynced()
+        read = max(self._estimate or 0, self._usage.floor if self._usage is not None else 0)
+        return max(0, read + added - removed)
 
-    def _scan_total(self) -> int:
-        return sum(f.size for f in self.files.scan())
+    def known_total(self) -> int | None:
+        """``_known``, or None while the total is unknown and no sample has estimated it."""
+        with self._mutex:
+            return None if self._view is None and self._estimate is None else self._known()
 
-    def _open_lock(self) -> int:
-        # A symlink or FIFO swapped in for .lock is refused (OSError), never followed or waited on.
-        return open_regular(self.files.root / ".lock", os.O_RDWR | os.O_CREAT, self.files.file_mode)
+    def last_usage(self) -> Usage | None:
+        with self._mutex:
+            return self._usage
 
-    def _probe_lock(self) -> bool:
-        """Whether ``flock`` works on the lock file (a held lock counts as working)."""
-        try:
-            fd = self._open_lock()
-        except OSError as exc:
-            self._lock_failed(exc)
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return True
-        except BlockingIOError:
-            return True  # another instance holds it right now
-        except OSError as exc:
-            self._lock_failed(exc)
-            return False
-        finally:
-            os.close(fd)
-
-    def _lock_failed(self, exc: OSError) -> None:
-        self.metrics.add(lock_failures=1)
-        if not self._lock_warned:
-            self._lock_warned = True
-            log.warning("kvtier: cannot lock %s (%s): the pool's byte budget is kept without its lock, so "
-                        "instances evicting at once may overshoot it; use a filesystem with flock (NFS: run "
-                        "lockd) or check who replaced the lock file. Counted in kvtier_lock_failures_total.",
-                        self.files.root / ".lock", errno.errorcode.get(exc.errno or 0, exc))
-
-    @contextmanager
-    def _shared_lock(self) -> Iterator[None]:
-        """The fleet-wide lock; without it (a failed open or flock) the body runs unlocked."""
-        try:
-            fd = self._open_lock()
-        except OSError as exc:
-            self._lock_failed(exc)
-            yield
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as exc:
-                self._lock_failed(exc)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
-
-    def _read_usage(self) -> tuple[int, float] | None:
-        """(bytes, time of the last exact scan), or None when missing or unreadable."""
-        try:
-            data = json.loads(read_small(self.files.root / ".usage", USAGE_MAX_BYTES)[0])
-            total, scanned_at = int(data["bytes"]), float(data["scanned_at"])
-        except (OSError, ValueError, KeyError, TypeError, OverflowError):
-            return None
-        # A neighbour's nonsense (negative bytes, a scan "in the future" that would put off every
-        # recount) means "unknown": the caller recounts.
-        if total < 0 or not scanned_at <= time.time() + 60:  # (NaN fails the comparison too)
-            return None
-        return total, scanned_at
-
-    def _write_usage(self, total: int, scanned_at: float) -> None:
-        self.files.write_small(self.files.root / ".usage",
-                               json.dumps({"bytes": total, "scanned_at": scanned_at}).encode())
+    def note_estimate(self, total_bytes: int) -> None:
+        with self._mutex:
+            self._estimate = total_bytes

@@ -10,7 +10,9 @@ with an even smaller budget in a loop.
 Every chunk is a function of (prompt id, chunk index), so any process can recompute the
 exact bytes of whatever it reads: a shorter prefix or a miss is fine (evicted), a wrong byte
 is ``wrong``. At the end, with everyone stopped, every chunk left in the pool must verify and
-be bit-equal to its expected bytes.
+be bit-equal to its expected bytes. Meanwhile the parent samples the pool's size on disk every
+few milliseconds: a sample over the stated overshoot bound (``tiers/pool.py``:
+``overshoot_bound``) counts as ``wrong`` too.
 
 ``lost`` stays 0 here: eviction legitimately removes published chunks, and no process can
 tell a chunk an evictor removed from one that vanished otherwise. The crash scenario
@@ -25,6 +27,7 @@ import os
 import random
 import select
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -39,7 +42,7 @@ from kvtier import StoreConfig, TieredStore, admin
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkKey, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
-from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.pool import PoolTier, default_sync_bytes, overshoot_bound
 
 from . import FaultRow, Scale, scenario
 from .crash import fork_child
@@ -244,6 +247,19 @@ def _gc_loop(pool: Path, deadline: float, fd: int) -> None:
         raise
 
 
+def _sample_sizes(pool: Path, deadline: float, sizes: list[int]) -> None:
+    """The pool's chunk bytes on disk, every few milliseconds until ``deadline``."""
+    while time.monotonic() < deadline:
+        total = 0
+        for path in pool.glob("??/??/*.kvt"):
+            try:
+                total += path.lstat().st_size
+            except OSError:
+                continue  # evicted since the listing
+        sizes.append(total)
+        time.sleep(0.005)
+
+
 def _spawn(body: Callable[[int], None]) -> tuple[int, int]:
     """Fork a child running ``body(write_fd)``: (pid, the parent's read end)."""
     read_fd, write_fd = os.pipe()
@@ -299,6 +315,11 @@ def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
                                                seed * 100 + w, fd))
                 for w in range(processes)]
     gc_child = _spawn(lambda fd: _gc_loop(gc_pool or pool, deadline, fd))
+    budget = POOL_CHUNKS * SPEC.file_bytes
+    bound = overshoot_bound(budget, default_sync_bytes(budget), processes)
+    sizes: list[int] = []
+    sampler = threading.Thread(target=_sample_sizes, args=(pool, deadline, sizes), daemon=True)
+    sampler.start()  # after the forks: a forked child never inherits this thread
 
     totals = Counts()
     pool_metrics: dict[str, float] = {}
@@ -325,6 +346,8 @@ def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
         errors.append(str((gc_report or {}).get("error", f"gc: no report, wait status {gc_status}")))
         gc_stats = {"runs": 0, "evicted": 0, "removed_temp_files": 0}
 
+    sampler.join()
+    over_bound = sum(size > bound for size in sizes)
     # Everyone has stopped: what is left must verify and be exactly what its prompt implies.
     verify = admin.verify(pool)
     prompts = [prompt_id(w, n) for w in range(processes) for n in range(published[w])]
@@ -345,7 +368,7 @@ def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
         else:
             final_wrong += 1
 
-    wrong = totals.wrong + final_wrong + final_unknown + len(verify.bad)
+    wrong = totals.wrong + final_wrong + final_unknown + len(verify.bad) + over_bound
     extra: dict[str, object] = {
         "processes": processes, "seconds_per_run": seconds, "pool_budget_chunks": POOL_CHUNKS,
         "gc_budget_chunks": GC_CHUNKS, "full_hits": totals.full_hits, "partial_hits": totals.partial_hits,
@@ -362,12 +385,15 @@ def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
         "final_chunks": verify.checked, "final_verify_bad": verify.bad, "final_identical": final_identical,
         "final_wrong": final_wrong, "final_unknown": final_unknown,
         "request_errors": totals.request_errors[:3], "crash_errors": [e[-1500:] for e in errors[:3]],
+        "size_samples": len(sizes), "max_pool_bytes": max(sizes, default=0), "pool_bound_bytes": bound,
+        "samples_over_bound": over_bound,
     }
     notes = (f"{processes} processes + gc; hits {totals.full_hits} full / {totals.partial_hits} partial, "
              f"misses {totals.misses}; written {extra['chunks_written']} chunks, evictions {extra['evictions']} "
              f"+ gc {gc_stats['evicted']} in {gc_stats['runs']} runs; read_races {extra['read_races']}, "
              f"corrupt_chunks {extra['corrupt_chunks']}; end: {verify.checked} chunks verify and read back "
-             f"identical {final_identical}; lost not measurable (eviction removes chunks)")
+             f"identical {final_identical}; pool at most {max(sizes, default=0)} B of a {bound} B bound "
+             f"({over_bound} of {len(sizes)} samples over); lost not measurable (eviction removes chunks)")
     # The fault: chunks removed (worker evictions and gc) under the feet of readers and writers.
     injected = int(pool_metrics.get("evictions", 0)) + int(gc_stats["evicted"])
     return FaultRow(fault=f"{processes} processes share one pool", injected=injected,

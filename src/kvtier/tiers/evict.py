@@ -1,0 +1,446 @@
+"""Evicting the shared pool: an approximate LRU whose cost per evicted chunk does not grow with
+the pool, run by one background thread per pool tier and by one instance of the fleet at a time.
+
+A **round** holds the eviction lease (``ROOT/.evict.lock``, taken without blocking: an instance
+that finds it held skips the round) and no other lock while it works:
+
+1. it lists the shard directories (``ChunkFiles.shard_dirs``: at most 257 listings, a small
+   constant beside a sweep's) and shuffles them;
+2. **sample**: it lists and ``lstat``s directories in that order until it has seen
+   ``SAMPLE_FILES`` chunk files, and picks a global mtime cutoff: the mtime below which the
+   share of the pool's bytes it must free lies in the sample (oldest first, plus twice the
+   share's sampling error, so that one pass rarely falls short);
+3. **sweep**: it visits the directories in the same order (the sampled ones from memory) and
+   unlinks every chunk older than the cutoff, until it freed what it must.
+
+mtime is the LRU clock (a hit refreshes it at most once a minute). A global cutoff keeps the
+files of one logical chunk (head shards written together, with near-equal mtimes) together:
+whichever directories they are in, they are on the same side of it. A sweep visits about
+``total / freed`` chunk files per chunk it frees (ten from the budget down to the low
+watermark, 0.9 of it) plus a constant (the sample, the listing of directories): the cost per
+evicted chunk does not grow with the pool; one round's cost does.
+
+**Retained chunks** (an mtime in the future, ``PoolTier.retain``) lie beyond any cutoff of a
+first pass, which is clipped at the round's start. Only after a pass that visited every
+directory with that clipped cutoff (so every unretained chunk it met is gone) may the next one
+reach into them, oldest retention first.
+
+A pass that visits **every** directory is a count of the pool: the round then anchors the
+total (``tiers/ledger.py``). A round visits everything when the sample covers the whole pool
+(small pools: exact LRU), when there is no sound total (a new pool, ``.usage`` lost or
+hostile, a sum below zero), when the total disagrees with the sample's estimate by more than
+sampling explains (drift: crashed writers, manual deletes), and every ``RECOUNT_S``.
+
+Concurrent evictors (no working lock, or an explicit ``evict`` beside a background round) are
+harmless: an unlink that meets ENOENT is not counted as freed, and each removal is accounted
+once, in the ledger of whoever removed the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import stat
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.metrics import TierMetrics
+from kvtier.threads import thread
+from kvtier.tiers.base import ChangeJournal
+from kvtier.tiers.files import ChunkFile, ChunkFiles
+from kvtier.tiers.ledger import Ledger, Usage, anchor, fold_dead, read_usage, remove_orphans
+from kvtier.tiers.poollock import Lease, PoolLocks
+
+log = logging.getLogger(__name__)
+
+LOW_WATERMARK = 0.9  # a round frees down to this share of the budget
+SAMPLE_FILES = 2048  # chunk files a round's sample sees (about 2% error on the cutoff's share)
+SLACK = 0.05  # the sampled cutoff aims at least this much further (see plan_cutoff)
+RESERVOIR = 4096  # kept chunks remembered by a pass, to place the next pass's cutoff
+MAX_PASSES = 4
+TICK_S = 10.0  # the evictor looks at the total this often (and whenever a writer sees it over)
+BUSY_RETRY_S = 1.0  # over budget, lease held elsewhere: look again this soon
+MIN_LOOK_S = 0.2  # looks (a sync each) at most this often, however often writers wake the thread
+HEARTBEAT_S = 60.0  # an idle instance rewrites its ledger this often (ledger.STALE_S is 600)
+FOLD_INTERVAL_S = 60.0
+RECOUNT_S = 3600.0  # a total older than this is recounted by the next round (drift, crashes)
+COUNT_RETRY_S = 600.0  # a count that left no sound total (a neighbour's nonsense) is retried this late
+EVICTION_LOG = ".evicted"
+EVICTION_LOG_MAX_BYTES = 8 << 20  # then it starts over (a reader behind by that much misses lines)
+LOG_BATCH = 256
+
+
+class Owner(Protocol):
+    """What the evictor needs from its pool tier."""
+
+    capacity_bytes: int | None
+
+    def sync(self, wake: bool = True) -> int:
+        """Write this instance's ledger if due, read the total (``known_total``)."""
+        ...
+
+    def known_total(self) -> int | None:
+        """The pool's total as last read plus this instance's unwritten counts; None: unknown."""
+        ...
+
+    def last_usage(self) -> Usage | None:
+        ...
+
+    def note_estimate(self, total_bytes: int) -> None:
+        """A sample's estimate of the pool's bytes (used while the total is unknown)."""
+        ...
+
+
+class EvictionLog:
+    """``ROOT/.evicted``: the keys every evictor removed, one hex line each, for KV events."""
+
+    def __init__(self, files: ChunkFiles) -> None:
+        self.files = files
+        self.path = files.root / EVICTION_LOG
+
+    def append(self, keys: Sequence[bytes]) -> None:
+        """Append ``keys`` (start the log over past its size limit); never raises."""
+        if not keys:
+            return
+        try:
+            st = os.lstat(self.path)
+            if st.st_size > EVICTION_LOG_MAX_BYTES or not stat.S_ISREG(st.st_mode):
+                os.unlink(self.path)  # readers notice the new inode and read the new file from its start
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+        try:
+            # O_NONBLOCK: a FIFO planted between the lstat and the open fails (ENXIO), never blocks.
+            fd = self.files.create_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.write(fd, b"".join(k.hex().encode() + b"\n" for k in keys))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # the log only feeds KV events; an eviction never fails for it
+
+
+def plan(sample: Sequence[ChunkFile], need: int, total: int, now: float, *, exact: bool,
+         retained: bool) -> tuple[float, frozenset[str] | None]:
+    """What a sweep unlinks: chunks older than the returned cutoff, or (``exact``: the sample
+    is the whole pool) exactly the returned paths, the oldest worth ``need`` bytes. A sampled
+    cutoff covers ``need``'s share of ``total`` in the sample plus a margin. Nothing newer than
+    ``now`` (retained) unless ``retained``."""
+    items = sorted(sample, key=lambda f: f.mtime)
+    if exact:
+        victims: list[ChunkFile] = []
+        acc = 0
+        for f in items:
+            if acc >= need or (f.mtime > now and not retained):
+                break
+            victims.append(f)
+            acc += f.size
+        cutoff = math.nextafter(victims[-1].mtime, math.inf) if victims else -math.inf
+        return cutoff, frozenset(os.fspath(f.path) for f in victims)
+    if need <= 0:
+        return -math.inf, None
+    # Aim past the share by twice its sampling error (or SLACK): a cutoff that falls short
+    # costs a second full pass, one that overshoots only stops the sweep a little sooner.
+    share = min(1.0, need / max(total, 1))
+    error = 2 * math.sqrt((1 - share) / max(share * len(items), 1e-9))
+    goal = share * sum(f.size for f in items) * (1 + min(max(SLACK, error), 1.0))
+    acc = 0
+    for f in items:
+        if f.mtime > now and not retained:
+            return now, None
+        acc += f.size
+        if acc >= goal:
+            return math.nextafter(f.mtime, math.inf), None
+    return (math.inf if retained else now), None
+
+
+@dataclass
+class Sweep:
+    """One pass over shard directories."""
+
+    complete: bool = False  # every directory visited: kept_* are a count of the pool
+    evicted: int = 0
+    freed: int = 0
+    kept_bytes: int = 0
+    kept_chunks: int = 0
+    visited: int = 0
+    seen: int = 0
+    reservoir: list[ChunkFile] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """What the last round did (benchmarks and tests read it)."""
+
+    evicted: int
+    freed: int
+    passes: int
+    anchored: bool
+    dirs: int
+    visited: int
+    seen: int
+    seconds: float
+
+
+class Evictor:
+    """The eviction rounds of one pool tier: ``evict`` in the caller's thread, and (``start``)
+    a background thread that runs them when the total is over budget. The thread never runs
+    writers' work and writers never run rounds: they only ``wake`` it."""
+
+    def __init__(self, owner: Owner, files: ChunkFiles, locks: PoolLocks, ledger: Ledger,
+                 journal: ChangeJournal, metrics: TierMetrics, sync_bytes: int) -> None:
+        self._owner = weakref.ref(owner)  # the thread must not keep an unclosed tier alive
+        self.files, self.locks, self.ledger = files, locks, ledger
+        self.journal, self.metrics, self.sync_bytes = journal, metrics, sync_bytes
+        self.log = EvictionLog(files)
+        self.last_round: RoundStats | None = None
+        self._rng = random.Random()
+        self._round_mutex = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._asked = self._done = 0
+        self._thread: threading.Thread | None = None
+        self._last_fold = -math.inf
+        self._counted_at = -math.inf  # time.monotonic() of this evictor's last full pass
+        self._quiet_until = -math.inf
+        self.thread_id: int | None = None
+        self._unlink_warned = False
+
+    # -- the background thread -------------------------------------------------------------
+
+    def start(self) -> None:
+        # No thread_init: the thread touches files only, never a device.
+        self._thread = thread(self._loop, "kvtier-pool-evict")
+        self._thread.start()
+        self.wake()
+
+    def wake(self) -> None:
+        """Ask for a look at the total soon (cheap; any thread)."""
+        self._wake.set()
+
+    def settle(self, timeout_s: float = 60.0) -> bool:
+        """Wait until a look (and any round it starts) begun after this call has ended; False on
+        timeout or without a thread (for tests and benchmarks)."""
+        if self._thread is None:
+            return False
+        with self._cond:
+            self._asked += 1
+            want = self._asked
+            self._wake.set()
+            return self._cond.wait_for(lambda: self._done >= want or self._stop.is_set(), timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        self.thread_id = threading.get_ident()
+        wait, ended = 0.0, -math.inf
+        while not self._stop.is_set():
+            self._wake.wait(wait)
+            self._stop.wait(MIN_LOOK_S - (time.monotonic() - ended))  # writers' wakes come per chunk
+            self._wake.clear()
+            with self._cond:
+                asked, forced = self._asked, self._asked > self._done
+            if self._stop.is_set():
+                break
+            try:
+                wait = self._look(forced)
+            except Exception:  # a bug or a surprise from the filesystem must not end the thread
+                log.exception("kvtier: the pool's evictor failed; it goes on")
+                self.metrics.add(thread_errors=1)
+                wait = TICK_S
+            ended = time.monotonic()
+            with self._cond:
+                self._done = max(self._done, asked)
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _look(self, forced: bool) -> float:
+        """Heartbeat, folds, and a round when over budget; returns the seconds to the next look."""
+        owner = self._owner()
+        if owner is None:
+            self._stop.set()
+            return 0.0
+        try:
+            total = owner.sync(wake=False)  # our ledger (if due) and the total
+        except OSError:
+            total = owner.known_total() or 0
+        usage, now = owner.last_usage(), time.time()
+        if usage is not None and now - self._last_fold > FOLD_INTERVAL_S:
+            self._last_fold = now
+            candidates = usage.foldable(now)
+            if candidates:
+                fold_dead(self.files, self.locks, candidates, now)
+            remove_orphans(self.files, now)
+        capacity = owner.capacity_bytes
+        if capacity is None:
+            return TICK_S
+        base = usage.base if usage is not None else None
+        count = (base is None or usage is None or usage.total is None or now - base.anchored_at > RECOUNT_S) \
+            and self._may_count()
+        if total <= capacity and not count:
+            return TICK_S
+        quiet = self._quiet_until - time.monotonic()
+        if quiet > 0 and not forced:
+            return quiet  # the last round found nothing to do: writers' wakes change nothing yet
+        del owner  # a round may be long: do not keep the tier alive through it
+        evicted = self.evict(int(capacity * LOW_WATERMARK), count=count)
+        if evicted is None:
+            return BUSY_RETRY_S  # another instance is evicting: look again soon
+        if not evicted and not (self.last_round is not None and self.last_round.anchored):
+            # Over budget by the total, not by what the round saw (drift it may not recount yet).
+            self._quiet_until = time.monotonic() + TICK_S
+        return TICK_S
+
+    def _may_count(self) -> bool:
+        return time.monotonic() - self._counted_at > COUNT_RETRY_S
+
+    # -- a round ---------------------------------------------------------------------------
+
+    def evict(self, target_bytes: int, *, wait_s: float = 0.0, count: bool = False) -> int | None:
+        """One round down to ``target_bytes``, in the caller's thread, under the eviction lease
+        (polled for up to ``wait_s``). ``count``: visit every directory and anchor the total even
+        once enough is freed. Returns the chunks evicted, or None when another evictor kept the
+        lease."""
+        with self._round_mutex, self.locks.lease(wait_s) as lease:
+            if lease is Lease.BUSY:
+                return None
+            return self._round(target_bytes, count)
+
+    def _round(self, target: int, count: bool) -> int:
+        t0, now = time.perf_counter(), time.time()
+        own = (self.ledger.id, self.ledger.added)  # first: a write in between counts as "since"
+        before = read_usage(self.files.root)
+        order = self.files.shard_dirs()
+        self._rng.shuffle(order)
+        first: dict[str, list[ChunkFile]] = {}
+        sample: list[ChunkFile] = []
+        for shard in order:
+            if len(sample) >= SAMPLE_FILES:
+                break
+            found = self.files.scan_shard(shard)
+            first[shard] = found
+            sample += found
+        exact = len(first) == len(order)
+        sampled = sum(f.size for f in sample)
+        estimate = sampled if exact else sampled * len(order) // max(1, len(first))
+        owner = self._owner()
+        known = owner.known_total() if owner is not None else before.total
+        if owner is not None:
+            owner.note_estimate(estimate)
+        del owner
+        if exact:
+            total = estimate
+        elif known is None or not estimate * 3 // 4 <= known <= estimate * 4 // 3:
+            total = estimate  # no sound total, or drift: count the pool and anchor
+            count = count or self._may_count()
+        else:
+            total = known
+        self.metrics.set(chunks=len(sample) if exact else len(sample) * len(order) // max(1, len(first)))
+        evicted = freed = seen = visited = passes = 0
+        anchored, retained = False, exact
+        while passes < MAX_PASSES and (total > target or count):
+            passes += 1
+            cutoff, victims = plan(sample, total - target, total, now, exact=exact, retained=retained)
+            sweep = self._sweep(order, first, cutoff, victims, total - target, visit_all=exact or count)
+            first = {}
+            evicted, freed = evicted + sweep.evicted, freed + sweep.freed
+            seen, visited = seen + sweep.seen, visited + sweep.visited
+            if not sweep.complete:
+                break  # freed what it must (or the tier is closing)
+            self._write_ledger()  # our removals, before the anchor reads the ledgers
+            anchored_total = anchor(self.files, self.locks, sweep.kept_bytes, before, own)
+            if anchored_total is not None:
+                anchored = True
+                self.metrics.set(bytes=anchored_total)
+            # Go on from what the pass saw (the anchored total may count a pass's new writes twice).
+            total, count, self._counted_at = sweep.kept_bytes, False, time.monotonic()
+            self.metrics.set(chunks=sweep.kept_chunks)
+            own = (self.ledger.id, self.ledger.added)
+            before = read_usage(self.files.root)
+            retained = retained or cutoff >= now  # every unretained chunk it met is gone
+            sample, exact = sweep.reservoir, len(sweep.reservoir) == sweep.kept_chunks
+            self._rng.shuffle(order)
+        self._write_ledger()
+        self.last_round = RoundStats(evicted, freed, passes, anchored, len(order), visited, seen,
+                                     time.perf_counter() - t0)
+        return evicted
+
+    def _sweep(self, order: list[str], first: dict[str, list[ChunkFile]], cutoff: float,
+               victims: frozenset[str] | None, need: int, *, visit_all: bool) -> Sweep:
+        """Visit ``order`` unlinking ``victims`` (all of them), or else chunks older than
+        ``cutoff`` until ``need`` bytes are freed (then stop, or only count on when ``visit_all``)."""
+        out = Sweep()
+        keys: list[bytes] = []
+        unwritten = 0
+        for shard in order:
+            if self._stop.is_set():
+                break
+            found = first[shard] if shard in first else self.files.scan_shard(shard)
+            out.visited += 1
+            unlinking = victims is not None or out.freed < need
+            for f in found:
+                out.seen += 1
+                if unlinking and (os.fspath(f.path) in victims if victims is not None else f.mtime < cutoff):
+                    gone = self._unlink(f)
+                    if gone:
+                        out.evicted, out.freed, unwritten = out.evicted + 1, out.freed + f.size, unwritten + f.size
+                        keys.append(f.key)
+                        continue
+                    if gone is False:
+                        continue  # someone else removed it: neither freed by us nor kept
+                out.kept_bytes += f.size
+                out.kept_chunks += 1
+                if len(out.reservoir) < RESERVOIR:
+                    out.reservoir.append(f)
+                else:
+                    j = self._rng.randrange(out.kept_chunks)
+                    if j < RESERVOIR:
+                        out.reservoir[j] = f
+            if len(keys) >= LOG_BATCH:
+                self.log.append(keys)
+                keys = []
+            if unwritten >= self.sync_bytes:
+                self._write_ledger()  # a crash mid-round leaves at most sync_bytes of removals unwritten
+                unwritten = 0
+            if not visit_all and out.freed >= need:
+                break
+        else:
+            out.complete = True
+        self.log.append(keys)
+        return out
+
+    def _unlink(self, f: ChunkFile) -> bool | None:
+        """True: removed (counted); False: already gone; None: cannot be removed (kept)."""
+        try:
+            os.unlink(f.path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if not self._unlink_warned:
+                self._unlink_warned = True
+                log.warning("kvtier: cannot evict %s (%s); such chunks stay in the pool", f.path, exc)
+            return None
+        self.ledger.remove(f.size)
+        self.journal.record(False, f.key)
+        self.metrics.add(evictions=1, evicted_bytes=f.size)
+        return True
+
+    def _write_ledger(self) -> None:
+        try:
+            self.ledger.write()
+        except OSError as exc:
+            log.debug("pool ledger write failed (kept for the next): %s", exc)

@@ -1,0 +1,513 @@
+"""The shared pool's budget: ledgers, the eviction round and its lease, the overshoot cap, gc.
+
+``tiers/ledger.py``, ``tiers/evict.py``, ``tiers/poollock.py`` and ``PoolTier``'s admission; the
+plainer budget behaviour (exact LRU on a small pool, retention, the eviction log, hostile
+``.usage`` and lock files) is in test_pool_tier.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvtier import TieredStore, admin
+from kvtier.tiers import evict as evict_mod
+from kvtier.tiers import ledger as ledger_mod
+from kvtier.tiers import poollock as poollock_mod
+from kvtier.tiers.base import Status
+from kvtier.tiers.evict import Evictor
+from kvtier.tiers.files import ChunkFiles
+from kvtier.tiers.ledger import LEDGER_DIR, STALE_S, fold_dead, read_usage
+from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.poollock import PoolLocks
+
+FILE = 8192
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture
+def pool_dir(tmp_path) -> Path:
+    return tmp_path / "pool"
+
+
+@pytest.fixture
+def open_pool(pool_dir):
+    tiers: list[PoolTier] = []
+
+    def factory(capacity_bytes: int | None = None, **kw) -> PoolTier:
+        tier = PoolTier(pool_dir, capacity_bytes, **kw)
+        tiers.append(tier)
+        return tier
+
+    yield factory
+    for tier in tiers:
+        tier.close()
+
+
+def _on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*.kvt"))
+
+
+def _sparse_pool(root: Path, n: int, size: int = FILE, mtime: float | None = None,
+                 seed: int | None = None) -> list[Path]:
+    """``n`` chunk files under valid names (random, or from ``seed``), sparse (metadata is what
+    eviction costs), ``mtime`` or oldest first."""
+    ChunkFiles(root)
+    rng = random.Random(seed)
+    paths = []
+    for i in range(n):
+        h = secrets.token_hex(32) if seed is None else rng.randbytes(32).hex()
+        path = root / h[:2] / h[2:4] / f"{h}.kvt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(size)
+        t = (time.time() - 10_000 + i) if mtime is None else mtime
+        os.utime(path, (t, t))
+        paths.append(path)
+    return paths
+
+
+def _within(fn, seconds: float):
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} blocked for over {seconds} s"
+    return out[0] if out else None
+
+
+@contextmanager
+def _watch_lock(monkeypatch):
+    """Record what happens while ROOT/.lock is held: listings and small-file reads, by thread."""
+    inside = threading.local()
+    seen: dict[str, list] = {"scandir": [], "reads": [], "holders": []}  # reads: one list per hold
+    real_shared, real_scandir, real_read_small = PoolLocks.shared, os.scandir, ledger_mod.read_small
+
+    @contextmanager
+    def shared(self):  # type: ignore[no-untyped-def]
+        with real_shared(self) as locked:
+            inside.on = True
+            seen["holders"].append(threading.get_ident())
+            seen["reads"].append([])
+            try:
+                yield locked
+            finally:
+                inside.on = False
+
+    def scandir(path="."):  # type: ignore[no-untyped-def]
+        if getattr(inside, "on", False):
+            seen["scandir"].append(os.fspath(path))
+        return real_scandir(path)
+
+    def read_small(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if getattr(inside, "on", False):
+            seen["reads"][-1].append(os.fspath(path))
+        return real_read_small(path, *args, **kwargs)
+
+    monkeypatch.setattr(PoolLocks, "shared", shared)
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(ledger_mod, "read_small", read_small)
+    yield seen
+    monkeypatch.undo()
+
+
+# -- the fleet-wide lock: bounded, never on the writer's path ---------------------------------------
+
+
+def test_the_lock_is_held_for_a_few_small_files_and_never_over_a_listing_of_chunks(open_pool, pool_dir,
+                                                                                   monkeypatch):
+    _sparse_pool(pool_dir, 3000)
+    others = [open_pool() for _ in range(3)]  # three more instances with ledgers of their own
+    for other in others:
+        other.ledger.add(FILE)
+        other.sync()
+    pool = open_pool()
+    with _watch_lock(monkeypatch) as seen:
+        assert pool.evict(2000 * FILE) > 0  # a round that counts the whole pool, then anchors
+        fold_dead(pool.files, pool.locks, [o.ledger.id for o in others], time.time() + 2 * STALE_S)
+    assert seen["holders"]  # the anchor took it
+    assert {Path(p).name for p in seen["scandir"]} <= {LEDGER_DIR}  # no shard directory under the lock
+    assert max(len(reads) for reads in seen["reads"]) <= 1 + 4  # per hold: the base and each of 4 ledgers
+    assert pool.locks.longest_hold_s < 0.1
+
+
+def test_writers_never_take_the_lock_nor_run_a_round(open_pool, pool_dir, tiny, monkeypatch):
+    pool = open_pool(capacity_bytes=4 * FILE, sync_bytes=FILE)
+    assert pool.evictor.settle()
+    calls: list[tuple[str, int]] = []
+    real_shared, real_round = PoolLocks.shared, Evictor._round
+
+    def shared(self):  # type: ignore[no-untyped-def]
+        calls.append(("lock", threading.get_ident()))
+        return real_shared(self)
+
+    def round_(self, *args):  # type: ignore[no-untyped-def]
+        calls.append(("round", threading.get_ident()))
+        return real_round(self, *args)
+
+    monkeypatch.setattr(PoolLocks, "shared", shared)
+    monkeypatch.setattr(Evictor, "_round", round_)
+    for chunk in tiny.chunks(12):
+        pool.store(chunk, tiny.spec())  # syncs at every chunk, over budget from the fifth
+        pool.sync()
+    assert pool.evictor.settle()
+    assert ("round", pool.evictor.thread_id) in calls
+    assert all(ident != threading.get_ident() for _, ident in calls)
+
+
+def test_eviction_does_not_run_on_the_writers_thread(tiny, pool_dir, monkeypatch):
+    unlinks: list[int] = []
+    stores: list[int] = []
+    real_unlink, real_store = Evictor._unlink, PoolTier.store
+
+    def unlink(self, f):  # type: ignore[no-untyped-def]
+        unlinks.append(threading.get_ident())
+        return real_unlink(self, f)
+
+    def store(self, chunk, spec):  # type: ignore[no-untyped-def]
+        stores.append(threading.get_ident())
+        return real_store(self, chunk, spec)
+
+    monkeypatch.setattr(Evictor, "_unlink", unlink)
+    monkeypatch.setattr(PoolTier, "store", store)
+    with TieredStore(tiny.config(host_bytes=0, pool_url=f"fs://{pool_dir}", pool_bytes=6 * tiny.file_bytes)) as s:
+        n = tiny.chunk_tokens
+        for seed in range(30):
+            s.put(tiny.tokens(n, seed), tiny.kv(n, seed))
+            s.flush()
+        s.tiers[0].sync()
+        assert s.tiers[0].evictor.settle()
+        assert _on_disk(pool_dir) <= 6 * tiny.file_bytes
+    assert unlinks and stores
+    assert not set(unlinks) & set(stores)
+
+
+# -- ledgers --------------------------------------------------------------------------------------
+
+
+_DIE_WITHOUT_CLOSING = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from conftest import Tiny
+from kvtier.tiers.pool import PoolTier
+tiny = Tiny()
+pool = PoolTier({pool!r}, None, sync_bytes={sync})
+for chunk in tiny.chunks({n}, seed={seed}):
+    assert pool.store(chunk, tiny.spec()).status.value == "written"
+os._exit(0)  # killed: no close, no final ledger write; the kernel releases its liveness lock
+"""
+
+
+def _die_without_closing(pool: Path, n: int, sync_bytes: int, seed: int = 1) -> None:
+    code = _DIE_WITHOUT_CLOSING.format(tests=str(TESTS), pool=str(pool), sync=sync_bytes, n=n, seed=seed)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_crashed_instance_is_missing_at_most_its_unwritten_bytes_until_gc(pool_dir):
+    admin.gc(ChunkFiles(pool_dir).root, 1 << 40)  # an empty pool, counted: total 0
+    _die_without_closing(pool_dir, n=7, sync_bytes=3 * FILE)
+    # It wrote its ledger before the 4th and the 7th chunk: 6 of 7 chunks are counted.
+    assert (read_usage(pool_dir).total, _on_disk(pool_dir)) == (6 * FILE, 7 * FILE)
+    assert admin.gc(pool_dir, 1 << 40).bytes_after == 7 * FILE
+    assert read_usage(pool_dir).total == 7 * FILE  # re-anchored
+
+
+def test_a_dead_instances_ledger_is_folded_into_the_base_once(open_pool, pool_dir):
+    admin.gc(ChunkFiles(pool_dir).root, 1 << 40)
+    _die_without_closing(pool_dir, n=4, sync_bytes=FILE)
+    files, locks = ChunkFiles(pool_dir), PoolLocks(ChunkFiles(pool_dir), open_pool().metrics)
+    (dead,) = read_usage(pool_dir).ledgers
+    saved = (pool_dir / LEDGER_DIR / f"{dead}.json").read_bytes()
+    live = open_pool()
+    live.ledger.add(FILE)
+    live.sync()
+    total = read_usage(pool_dir).total
+    later = time.time() + STALE_S + 1  # both heartbeats are stale by then
+    assert fold_dead(files, locks, sorted(read_usage(pool_dir).ledgers), later) == [dead]
+    assert sorted(read_usage(pool_dir).ledgers) == [live.ledger.id]  # the live one holds its lock
+    assert not (pool_dir / LEDGER_DIR / f"{dead}.json").exists()
+    assert read_usage(pool_dir).total == total  # moved into the base, not lost
+    assert fold_dead(files, locks, [dead], later) == []
+    # A folder that died after writing the base and before unlinking leaves the ledger behind:
+    # it is recognised (the base lists it), never added twice, and then removed.
+    (pool_dir / LEDGER_DIR / f"{dead}.json").write_bytes(saved)
+    assert read_usage(pool_dir).total == total
+    assert fold_dead(files, locks, [dead], later) == []
+    assert not (pool_dir / LEDGER_DIR / f"{dead}.json").exists()
+    assert read_usage(pool_dir).total == total
+
+
+def test_a_closed_ledger_is_folded_at_once(open_pool, pool_dir, tiny):
+    admin.gc(ChunkFiles(pool_dir).root, 1 << 40)
+    a = open_pool()
+    for chunk in tiny.chunks(3):
+        a.store(chunk, tiny.spec())
+    a.close()
+    folder = open_pool()
+    assert fold_dead(folder.files, folder.locks, read_usage(pool_dir).foldable(time.time())) == [a.ledger.id]
+    assert read_usage(pool_dir).ledgers == {} and read_usage(pool_dir).total == 3 * FILE
+
+
+def test_an_instance_that_finds_itself_folded_goes_on_under_a_new_id(open_pool, pool_dir, tiny):
+    admin.gc(ChunkFiles(pool_dir).root, 1 << 40)
+    pool = open_pool()
+    a, b = tiny.chunks(2)
+    pool.store(a, tiny.spec())
+    pool.sync()
+    old = pool.ledger.id
+    # Another instance took it for dead (a stall, and a lock file someone replaced) and folded it.
+    base = json.loads((pool_dir / ".usage").read_text())
+    base.update(bytes=base["bytes"] + FILE, folded_added=FILE, folds=[[old, FILE, 0]])
+    (pool_dir / ".usage").write_text(json.dumps(base))
+    (pool_dir / LEDGER_DIR / f"{old}.json").unlink()
+    pool.store(b, tiny.spec())
+    assert pool.sync() == 2 * FILE  # its first chunk counted once (in the base), its second once
+    assert pool.ledger.id != old and read_usage(pool_dir).total == 2 * FILE
+
+
+def _sparse_file(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+HOSTILE = {
+    "symlink to /dev/zero": lambda p: p.symlink_to("/dev/zero"),
+    "fifo": lambda p: os.mkfifo(p),
+    "64 GiB sparse": lambda p: _sparse_file(p, 64 << 30),
+    "not json": lambda p: p.write_bytes(b"\xff" * 100),
+    "a list": lambda p: p.write_text("[1, 2]"),
+    "deep nesting": lambda p: p.write_text("[" * 3000 + "]" * 3000),
+    "negative": lambda p: p.write_text(json.dumps({"added": -5, "removed": 0, "heartbeat": time.time()})),
+    "huge": lambda p: p.write_text(json.dumps({"added": 2 ** 70, "removed": 0, "heartbeat": time.time()})),
+    "nan heartbeat": lambda p: p.write_text('{"added": 5, "removed": 0, "heartbeat": NaN}'),
+    "bool bytes": lambda p: p.write_text(json.dumps({"added": True, "removed": 0, "heartbeat": time.time()})),
+    "far future": lambda p: p.write_text(json.dumps({"added": 5, "removed": 0, "heartbeat": 1e30})),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_ledger_costs_nothing(open_pool, pool_dir, tiny, kind):
+    pool = open_pool(capacity_bytes=1 << 30)
+    assert pool.evictor.settle()
+    for chunk in tiny.chunks(3):
+        pool.store(chunk, tiny.spec())
+    (pool_dir / LEDGER_DIR).mkdir(exist_ok=True)
+    HOSTILE[kind](pool_dir / LEDGER_DIR / "evil-1-ab.json")
+    assert _within(pool.sync, 5.0) == 3 * FILE  # ignored, as if absent
+    assert _within(lambda: fold_dead(pool.files, pool.locks, ["evil-1-ab"], time.time() + 2 * STALE_S), 5.0) == []
+    assert _within(pool.evictor.settle, 10.0)
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_base_means_a_count(open_pool, pool_dir, tiny, kind):
+    pool = open_pool(capacity_bytes=2 * FILE)
+    assert pool.evictor.settle()
+    (pool_dir / ".usage").unlink()
+    HOSTILE[kind](pool_dir / ".usage")
+    for chunk in tiny.chunks(4):
+        pool.store(chunk, tiny.spec())
+    _within(pool.sync, 5.0)
+    pool.evictor._counted_at = -1e9  # as if its last count were long ago (a count is retried every 600 s)
+    assert _within(pool.evictor.settle, 10.0)
+    assert _on_disk(pool_dir) <= 2 * FILE and read_usage(pool_dir).total == _on_disk(pool_dir)
+    assert (pool_dir / ".usage").is_file() and not (pool_dir / ".usage").is_symlink()
+
+
+def test_a_symlink_in_place_of_the_ledger_directory_is_never_followed(open_pool, pool_dir, tmp_path, tiny):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    pool = open_pool()
+    (pool_dir / LEDGER_DIR).symlink_to(outside)
+    pool.store(tiny.chunks(1)[0], tiny.spec())
+    pool.sync()
+    assert list(outside.iterdir()) == []
+    assert (pool_dir / LEDGER_DIR).is_dir() and not (pool_dir / LEDGER_DIR).is_symlink()
+    assert read_usage(pool_dir).floor == FILE
+
+
+# -- the eviction round -----------------------------------------------------------------------------
+
+
+def test_two_evictors_without_a_lock_are_harmless(open_pool, pool_dir, monkeypatch):
+    """No working lock: both run at once. Whatever one removes is counted by it alone; a file the
+    other got first (ENOENT) is neither counted nor logged twice."""
+    def no_locks(fd, op):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(poollock_mod.fcntl, "flock", no_locks)
+    paths = _sparse_pool(pool_dir, 400)
+    a, b = open_pool(), open_pool()
+    start = threading.Barrier(2)
+    counts: list[int] = []
+
+    def run(tier: PoolTier) -> None:
+        start.wait()
+        counts.append(tier.evict(100 * FILE))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    removed = [p for p in paths if not p.exists()]
+    assert sum(counts) == len(removed) >= 300
+    assert a.ledger.removed + b.ledger.removed == len(removed) * FILE
+    snaps = [t.metrics.snapshot() for t in (a, b)]
+    assert sum(s.evictions for s in snaps) == len(removed)
+    logged = (pool_dir / ".evicted").read_text().split()
+    assert len(logged) == len(set(logged)) == len(removed)
+    assert read_usage(pool_dir).total >= _on_disk(pool_dir)  # never under
+
+
+def test_an_unlink_another_evictor_got_to_first_is_not_counted(open_pool, pool_dir, monkeypatch):
+    paths = _sparse_pool(pool_dir, 40)
+    pool = open_pool()
+    real_unlink = os.unlink
+    raced: list[Path] = []
+
+    def unlink(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if Path(path).suffix == ".kvt" and len(raced) % 2 == 0:
+            real_unlink(path)  # the other evictor, a moment earlier
+            raced.append(Path(path))
+            raise FileNotFoundError(errno.ENOENT, "gone", path)
+        raced.append(Path(path)) if Path(path).suffix == ".kvt" else None
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(evict_mod.os, "unlink", unlink)
+    n = pool.evict(0)
+    monkeypatch.undo()
+    assert not any(p.exists() for p in paths)
+    assert n == pool.metrics.snapshot().evictions == 20
+    assert pool.ledger.removed == 20 * FILE
+
+
+def test_retained_chunks_go_last_when_the_round_samples(open_pool, pool_dir, monkeypatch):
+    monkeypatch.setattr(evict_mod, "SAMPLE_FILES", 4)  # a sample of a few directories, not the pool
+    now = time.time()
+    plain = _sparse_pool(pool_dir, 30)
+    retained = []
+    for i in range(10):
+        (path,) = _sparse_pool(pool_dir, 1, mtime=now + 3600 + i)  # retained, oldest retention first
+        retained.append(path)
+    pool = open_pool()
+    pool.evict(35 * FILE)
+    assert all(p.exists() for p in retained)  # only unretained chunks went
+    assert sum(not p.exists() for p in plain) >= 5
+    pool.evict(5 * FILE)  # more than every unretained chunk: then the oldest retentions
+    assert not any(p.exists() for p in plain)
+    assert [p.exists() for p in retained] == [False] * 5 + [True] * 5
+
+
+def test_a_sampled_round_costs_a_bounded_number_of_visits_per_evicted_chunk(open_pool, pool_dir, monkeypatch):
+    monkeypatch.setattr(evict_mod, "SAMPLE_FILES", 200)
+    paths = _sparse_pool(pool_dir, 2000, seed=7)  # oldest first; names and the order fixed: no flakes
+    admin.gc(pool_dir, 1 << 40)  # counted: the round trusts the total and needs no full pass
+    pool = open_pool()
+    pool.evictor._rng.seed(7)
+    pool.sync()
+    n = pool.evict(1800 * FILE)  # 10%: a sweep visits about ten chunks per chunk evicted
+    stats = pool.evictor.last_round
+    assert 200 <= n <= 260 and stats.passes == 1
+    assert stats.seen <= 12 * n + 200
+    # One global cutoff, aimed a little past the oldest 10% (by twice the sample's error): what
+    # went is among the oldest, and most of the oldest went (the sweep stops once it freed
+    # enough, leaving some old ones in directories it did not reach).
+    gone = [i for i, p in enumerate(paths) if not p.exists()]
+    assert len(gone) == n and max(gone) < 400 and sum(i < 200 for i in gone) >= 100
+
+
+def test_the_first_sync_of_a_pool_without_accounting_counts_nothing_on_the_callers_thread(pool_dir, open_pool,
+                                                                                          monkeypatch):
+    _sparse_pool(pool_dir, 500)
+    scans: list[int] = []
+    real = ChunkFiles.scan_shard
+
+    def scan_shard(self, shard):  # type: ignore[no-untyped-def]
+        scans.append(threading.get_ident())
+        return real(self, shard)
+
+    monkeypatch.setattr(ChunkFiles, "scan_shard", scan_shard)
+    pool = open_pool(capacity_bytes=1 << 40)
+    _within(pool.sync, 5.0)
+    assert pool.evictor.settle()
+    assert scans and threading.get_ident() not in scans
+    assert read_usage(pool_dir).total == 500 * FILE == _on_disk(pool_dir)
+
+
+def test_an_old_total_is_recounted(open_pool, pool_dir):
+    _sparse_pool(pool_dir, 20)
+    (pool_dir / ".usage").write_text(json.dumps({"bytes": 999 * FILE, "anchored_at": time.time() - 2 * 3600}))
+    pool = open_pool(capacity_bytes=1 << 40)
+    assert pool.evictor.settle()
+    assert read_usage(pool_dir).total == 20 * FILE
+
+
+# -- the overshoot cap --------------------------------------------------------------------------------
+
+
+def test_the_cap_refuses_and_counts_and_holds_the_stated_bound_while_eviction_is_stuck(open_pool, pool_dir, tiny):
+    capacity, sync_bytes = 20 * FILE, 2 * FILE
+    a, b = open_pool(capacity, sync_bytes=sync_bytes), open_pool(capacity, sync_bytes=sync_bytes)
+    for tier in (a, b):
+        assert tier.evictor.settle()
+    assert a.cap_bytes == capacity + sync_bytes
+    bound = a.cap_bytes + (2 - 1) * sync_bytes
+    lease = os.open(pool_dir / ".evict.lock", os.O_RDWR)
+    fcntl.flock(lease, fcntl.LOCK_EX)  # an evictor elsewhere that never finishes its round
+    try:
+        results = []
+        for i, chunk in enumerate(tiny.chunks(60, seed=3)):
+            t0 = time.monotonic()
+            results.append((a, b)[i % 2].store(chunk, tiny.spec()))
+            assert time.monotonic() - t0 < 2.0  # refused, never waited for
+            assert _on_disk(pool_dir) <= bound
+        refused = [r for r in results if r.status is Status.FAILED]
+        assert refused and all("budget cap" in r.error for r in refused)
+        assert a.metrics.snapshot().budget_refusals + b.metrics.snapshot().budget_refusals == len(refused)
+        assert capacity < _on_disk(pool_dir) <= bound
+    finally:
+        os.close(lease)
+    for tier in (a, b):
+        tier.sync()
+        assert tier.evictor.settle()
+    assert _on_disk(pool_dir) <= capacity
+    assert a.store(tiny.chunks(1, seed=99)[0], tiny.spec()).status is Status.WRITTEN
+
+
+# -- gc ---------------------------------------------------------------------------------------------------
+
+
+def test_gc_is_exact_and_re_anchors_the_count(pool_dir, tiny, monkeypatch):
+    pool = PoolTier(pool_dir, None)
+    chunks = tiny.chunks(10, seed=4)
+    now = time.time()
+    for i, chunk in enumerate(chunks):
+        pool.store(chunk, tiny.spec())
+        os.utime(pool.files.path_for(chunk.id.key), (now - 1000 + i,) * 2)
+    pool.retain(chunks[0].id.key, now + 3600)
+    pool.retain(chunks[1].id.key, now + 7200)
+    pool.close()
+    # Drift: a base with a wrong count, and a chunk deleted by hand.
+    (pool_dir / ".usage").write_text(json.dumps({"bytes": 10**12, "anchored_at": now}))
+    os.unlink(pool.files.path_for(chunks[2].id.key))
+    with _watch_lock(monkeypatch) as seen:
+        report = admin.gc(pool_dir, 5 * FILE)
+    assert (report.evicted_chunks, report.bytes_after) == (4, 5 * FILE)
+    left = {f.key for f in ChunkFiles(pool_dir, create=False).scan()}
+    assert left == {c.id.key for c in (chunks[0], chunks[1], *chunks[7:])}  # oldest first, retained last
+    assert read_usage(pool_dir).total == 5 * FILE == _on_disk(pool_dir)
+    assert all(Path(p).name == LEDGER_DIR for p in seen["scandir"])  # the listing ran unlocked
+    assert admin.gc(pool_dir, FILE).evicted_chunks == 4
+    assert {f.key for f in ChunkFiles(pool_dir, create=False).scan()} == {chunks[1].id.key}
