@@ -109,7 +109,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self.scheduler is not None and isinstance(meta, KVTierWorkerMeta):
+            known = (self.scheduler.prefill_tokens_per_s is None, len(self.scheduler.measured_read))
             self.scheduler.update_connector_output(meta)
+            if known != (self.scheduler.prefill_tokens_per_s is None, len(self.scheduler.measured_read)):
+                # A rate measured for the first time: in the metrics file now, not at the next 5 s
+                # tick or at shutdown, which vLLM may never give the scheduler's connector.
+                self.metrics_file.write()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """True (vLLM holds the blocks until ``get_finished`` says so) while generated tokens are saved."""
