@@ -318,19 +318,24 @@ def tenant_isolation(bench: Bench) -> list[FaultRow]:
 # -- two engines and gc share one pool --------------------------------------------------------------
 
 
-def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
+def shared_pool_with_gc(bench: Bench, minutes: float, pools: tuple[Path, Path, Path] | None = None,
+                        where: str = "") -> list[FaultRow]:
     """Two engines loop over the prompts (opposite orders) for ``minutes`` on one pool that
     holds about half of the prompts' chunks, while ``kvtier pool gc`` evicts it to three
-    quarters of that every second beside them."""
+    quarters of that every second beside them. ``pools``: the pool's path as the first engine,
+    the second engine and gc see it (one directory through three mounts of a shared
+    filesystem); by default one local directory. ``where`` names that in the row."""
     pool = bench.workdir / "shared-pool"
+    paths = pools or (pool, pool, pool)
+    pool = paths[2]
     n = len(bench.prompts)
     pool_mib = max(8, round(1.2 * n))  # the prompts average about 4.5 chunks of 0.5 MiB
     gc_mib = pool_mib * 3 // 4
-    connector = {"pool_url": f"fs://{pool}", "pool_bytes": f"{pool_mib}MiB"}
     loop_s = minutes * 60 if minutes > 0 else None
     t0 = time.monotonic()
-    engines = {name: bench.start(name, bench.base(name, **connector), [{"p": i} for i in order], loop_s)
-               for name, order in (("shared-1", range(n)), ("shared-2", reversed(range(n))))}
+    engines = {name: bench.start(name, bench.base(name, pool_url=f"fs://{path}", pool_bytes=f"{pool_mib}MiB"),
+                                 [{"p": i} for i in order], loop_s)
+               for name, order, path in (("shared-1", range(n), paths[0]), ("shared-2", reversed(range(n)), paths[1]))}
     gc_log = bench.workdir / "gc.log"
     kvtier = [sys.executable, "-m", "kvtier.cli.main"]
     gc_runs = 0
@@ -358,7 +363,7 @@ def shared_pool_with_gc(bench: Bench, minutes: float) -> list[FaultRow]:
     results = [r for run in runs.values() for r in run.results]
     crashed = sum(run.rc != 0 for run in runs.values())
     evictions = sum(int(_tier(run, "pool").get("evictions", 0)) for run in runs.values())
-    fault = f"two engines share one {pool_mib} MiB pool, gc to {gc_mib} MiB every 1 s"
+    fault = f"two engines share one {pool_mib} MiB pool{where}, gc to {gc_mib} MiB every 1 s"
     row = _row(bench, fault, gc_runs, results, next(iter(runs.values())),
                f"{sum(run.results[-1]['pass'] + 1 if run.results else 0 for run in runs.values())} passes, "
                f"requests with hits {_hits(results)}, pool evictions by engines {evictions}, gc runs {gc_runs} "
