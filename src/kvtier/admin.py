@@ -56,14 +56,19 @@ HASH_PIECE_BYTES = 1 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
-def _open_regular(path: Path) -> int | ChunkFault:
+def _open_regular(path: Path, gone: bool = False) -> int | ChunkFault:
     """An fd on ``path`` when it is a regular file, else the fault; never follows a symlink
-    or blocks on a FIFO (the lstat and the fstat both look, in case it was swapped between)."""
+    or blocks on a FIFO (the lstat and the fstat both look, in case it was swapped between).
+    With ``gone``, a file that is no longer there raises FileNotFoundError: ENOENT, or ESTALE,
+    which a network filesystem's client returns for a while for a file another client removed
+    (a cached ``lexists`` still says it is there)."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return ChunkFault.NOT_A_FILE
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
+        if gone and exc.errno in (errno.ENOENT, errno.ESTALE):
+            raise FileNotFoundError(errno.ENOENT, "evicted since it was listed", str(path)) from None
         return ChunkFault.NOT_A_FILE if exc.errno == errno.ELOOP else ChunkFault.TRUNCATED
     try:
         if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -91,9 +96,10 @@ def check_file(path: Path) -> ChunkFault | None:
     (never followed, never waited on), only the 4096-byte header is read before the file's
     size is checked against the header's payload length, and the payload is hashed in
     ``HASH_PIECE_BYTES`` pieces. Never raises on the file's contents; an I/O error or a file
-    that vanishes or shrinks midway is TRUNCATED.
+    that vanishes or shrinks midway is TRUNCATED. A file that is gone before it is opened
+    raises FileNotFoundError (evicted since it was listed: not a fault of the pool).
     """
-    opened = _open_regular(path)
+    opened = _open_regular(path, gone=True)
     if isinstance(opened, ChunkFault):
         return opened
     fd = opened
@@ -197,9 +203,12 @@ def verify(path: str | os.PathLike[str], fix: bool = False,
     files = open_existing(path)
     report = VerifyReport(str(files.root))
     for f in files.scan():
-        fault = check_file(f.path)
-        if fault is not None and not os.path.lexists(f.path):
+        try:
+            fault = check_file(f.path)
+        except FileNotFoundError:
             continue  # evicted between the listing and the check (verify runs beside live engines)
+        if fault is not None and not os.path.lexists(f.path):
+            continue  # evicted while it was being checked
         report.checked += 1
         if fault is None:
             report.ok += 1
