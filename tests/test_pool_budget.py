@@ -396,12 +396,14 @@ def test_an_unlink_another_evictor_got_to_first_is_not_counted(open_pool, pool_d
 def test_retained_chunks_go_last_when_the_round_samples(open_pool, pool_dir, monkeypatch):
     monkeypatch.setattr(evict_mod, "SAMPLE_FILES", 4)  # a sample of a few directories, not the pool
     now = time.time()
-    plain = _sparse_pool(pool_dir, 30)
+    plain = _sparse_pool(pool_dir, 30, seed=1)
     retained = []
     for i in range(10):
-        (path,) = _sparse_pool(pool_dir, 1, mtime=now + 3600 + i)  # retained, oldest retention first
+        (path,) = _sparse_pool(pool_dir, 1, mtime=now + 3600 + i, seed=100 + i)  # oldest retention first
         retained.append(path)
+    admin.gc(pool_dir, 1 << 40)
     pool = open_pool()
+    pool.sync()
     pool.evict(35 * FILE)
     assert all(p.exists() for p in retained)  # only unretained chunks went
     assert sum(not p.exists() for p in plain) >= 5
@@ -483,6 +485,7 @@ def test_the_cap_refuses_and_counts_and_holds_the_stated_bound_while_eviction_is
         tier.sync()
         assert tier.evictor.settle()
     assert _on_disk(pool_dir) <= capacity
+    a.sync()  # (a writer over the cap reads the total again at most every second by itself)
     assert a.store(tiny.chunks(1, seed=99)[0], tiny.spec()).status is Status.WRITTEN
 
 
@@ -511,3 +514,4 @@ def test_gc_is_exact_and_re_anchors_the_count(pool_dir, tiny, monkeypatch):
     assert all(Path(p).name == LEDGER_DIR for p in seen["scandir"])  # the listing ran unlocked
     assert admin.gc(pool_dir, FILE).evicted_chunks == 4
     assert {f.key for f in ChunkFiles(pool_dir, create=False).scan()} == {chunks[1].id.key}
+

@@ -128,12 +128,20 @@ class EvictionLog:
             pass  # the log only feeds KV events; an eviction never fails for it
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a sweep unlinks: chunks older than ``cutoff``, or exactly ``victims`` (paths)."""
+
+    cutoff: float
+    victims: frozenset[str] | None = None
+    all_unretained: bool = False  # it takes every unretained chunk there is (or was sampled)
+
+
 def plan(sample: Sequence[ChunkFile], need: int, total: int, now: float, *, exact: bool,
-         retained: bool) -> tuple[float, frozenset[str] | None]:
-    """What a sweep unlinks: chunks older than the returned cutoff, or (``exact``: the sample
-    is the whole pool) exactly the returned paths, the oldest worth ``need`` bytes. A sampled
-    cutoff covers ``need``'s share of ``total`` in the sample plus a margin. Nothing newer than
-    ``now`` (retained) unless ``retained``."""
+         retained: bool) -> Plan:
+    """The plan for ``need`` bytes: ``exact`` (the sample is the whole pool): the oldest
+    chunks worth ``need``; else a cutoff covering ``need``'s share of ``total`` in the sample
+    plus a margin. Nothing newer than ``now`` (retained) unless ``retained``."""
     items = sorted(sample, key=lambda f: f.mtime)
     if exact:
         victims: list[ChunkFile] = []
@@ -143,10 +151,11 @@ def plan(sample: Sequence[ChunkFile], need: int, total: int, now: float, *, exac
                 break
             victims.append(f)
             acc += f.size
+        left = items[len(victims):]
         cutoff = math.nextafter(victims[-1].mtime, math.inf) if victims else -math.inf
-        return cutoff, frozenset(os.fspath(f.path) for f in victims)
+        return Plan(cutoff, frozenset(os.fspath(f.path) for f in victims), not left or left[0].mtime > now)
     if need <= 0:
-        return -math.inf, None
+        return Plan(-math.inf)
     # Aim past the share by twice its sampling error (or SLACK): a cutoff that falls short
     # costs a second full pass, one that overshoots only stops the sweep a little sooner.
     share = min(1.0, need / max(total, 1))
@@ -155,11 +164,11 @@ def plan(sample: Sequence[ChunkFile], need: int, total: int, now: float, *, exac
     acc = 0
     for f in items:
         if f.mtime > now and not retained:
-            return now, None
+            return Plan(now, None, True)
         acc += f.size
         if acc >= goal:
-            return math.nextafter(f.mtime, math.inf), None
-    return (math.inf if retained else now), None
+            return Plan(math.nextafter(f.mtime, math.inf), None, f.mtime >= now)
+    return Plan(math.inf if retained else now, None, True)
 
 
 @dataclass
@@ -249,7 +258,8 @@ class Evictor:
         wait, ended = 0.0, -math.inf
         while not self._stop.is_set():
             self._wake.wait(wait)
-            self._stop.wait(MIN_LOOK_S - (time.monotonic() - ended))  # writers' wakes come per chunk
+            if wait > 0:  # writers' wakes come per chunk: look at most every MIN_LOOK_S, unless behind
+                self._stop.wait(MIN_LOOK_S - (time.monotonic() - ended))
             self._wake.clear()
             with self._cond:
                 asked, forced = self._asked, self._asked > self._done
@@ -303,7 +313,8 @@ class Evictor:
         if not evicted and not (self.last_round is not None and self.last_round.anchored):
             # Over budget by the total, not by what the round saw (drift it may not recount yet).
             self._quiet_until = time.monotonic() + TICK_S
-        return TICK_S
+            return TICK_S
+        return 0.0 if evicted else TICK_S  # writers outpacing it: the next round at once, if still over
 
     def _may_count(self) -> bool:
         return time.monotonic() - self._counted_at > COUNT_RETRY_S
@@ -344,7 +355,7 @@ class Evictor:
         del owner
         if exact:
             total = estimate
-        elif known is None or not estimate * 3 // 4 <= known <= estimate * 4 // 3:
+        elif known is None or abs(known - estimate) > max(0.25, 3 / math.sqrt(max(1, len(sample)))) * estimate:
             total = estimate  # no sound total, or drift: count the pool and anchor
             count = count or self._may_count()
         else:
@@ -354,8 +365,8 @@ class Evictor:
         anchored, retained = False, exact
         while passes < MAX_PASSES and (total > target or count):
             passes += 1
-            cutoff, victims = plan(sample, total - target, total, now, exact=exact, retained=retained)
-            sweep = self._sweep(order, first, cutoff, victims, total - target, visit_all=exact or count)
+            chosen = plan(sample, total - target, total, now, exact=exact, retained=retained)
+            sweep = self._sweep(order, first, chosen, total - target, visit_all=exact or count)
             first = {}
             evicted, freed = evicted + sweep.evicted, freed + sweep.freed
             seen, visited = seen + sweep.seen, visited + sweep.visited
@@ -371,19 +382,27 @@ class Evictor:
             self.metrics.set(chunks=sweep.kept_chunks)
             own = (self.ledger.id, self.ledger.added)
             before = read_usage(self.files.root)
-            retained = retained or cutoff >= now  # every unretained chunk it met is gone
+            retained = retained or chosen.all_unretained  # every unretained chunk it met is gone
             sample, exact = sweep.reservoir, len(sweep.reservoir) == sweep.kept_chunks
             self._rng.shuffle(order)
         self._write_ledger()
+        owner = self._owner()
+        if anchored and owner is not None:
+            try:
+                owner.sync(wake=False)  # its view of the total: the anchored one, not an estimate
+            except OSError:
+                pass
+        del owner
         self.last_round = RoundStats(evicted, freed, passes, anchored, len(order), visited, seen,
                                      time.perf_counter() - t0)
         return evicted
 
-    def _sweep(self, order: list[str], first: dict[str, list[ChunkFile]], cutoff: float,
-               victims: frozenset[str] | None, need: int, *, visit_all: bool) -> Sweep:
-        """Visit ``order`` unlinking ``victims`` (all of them), or else chunks older than
-        ``cutoff`` until ``need`` bytes are freed (then stop, or only count on when ``visit_all``)."""
+    def _sweep(self, order: list[str], first: dict[str, list[ChunkFile]], chosen: Plan, need: int, *,
+               visit_all: bool) -> Sweep:
+        """Visit ``order`` unlinking the plan's victims (all of them), or else chunks older than
+        its cutoff until ``need`` bytes are freed (then stop, or only count on when ``visit_all``)."""
         out = Sweep()
+        cutoff, victims = chosen.cutoff, chosen.victims
         keys: list[bytes] = []
         unwritten = 0
         for shard in order:

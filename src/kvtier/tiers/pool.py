@@ -81,6 +81,7 @@ EVICTION_READ_MAX_BYTES = 1 << 20  # read per read_evictions call: a longer back
 CAP_MARGIN = 16  # the cap is budget + max(budget // CAP_MARGIN, sync_bytes)
 REFRESH_S = 1.0  # over the cap, a writer reads the total again at most this often before refusing
 LEASE_WAIT_S = 10.0  # an explicit evict() waits this long for another evictor's round
+SYNC_FAILED = "budget sync failed"
 __all__ = ["LOW_WATERMARK", "PoolTier", "cap_bytes", "default_sync_bytes", "overshoot_bound", "parse_pool_url"]
 
 
@@ -172,6 +173,7 @@ class PoolTier(TierBase):
         if refusal is not None:
             if self.files.stat_size(chunk.id.key) is not None:
                 return StoreResult(Status.EXISTS)
+            self.metrics.add(**{"failed_writes" if refusal.startswith(SYNC_FAILED) else "budget_refusals": 1})
             return StoreResult(Status.FAILED, refusal)
         try:
             written = self.files.publish(chunk, spec)
@@ -278,8 +280,7 @@ class PoolTier(TierBase):
                     self._sync()
                 except OSError as exc:
                     if self.capacity_bytes is not None:  # unwritten bytes must stay within sync_bytes
-                        self.metrics.add(failed_writes=1)
-                        return f"budget sync failed: {exc}"
+                        return f"{SYNC_FAILED}: {exc}"
             with self._mutex:
                 projected = self._known() + self._inflight + size
                 refused = self.cap_bytes is not None and projected > self.cap_bytes
@@ -288,7 +289,6 @@ class PoolTier(TierBase):
         if self.capacity_bytes is not None and projected > self.capacity_bytes:
             self.evictor.wake()
         if refused:
-            self.metrics.add(budget_refusals=1)
             return f"the pool is over its budget cap ({self.cap_bytes} B): eviction is behind; not published"
         return None
 
