@@ -631,3 +631,35 @@ def test_a_rank_that_holds_chunks_in_host_dram_and_one_that_reads_the_pool_agree
     held(role, req, 2, rank=1)
     assert ask(role, req) == (2 * CHUNK, False)
     assert role._state(req).chunk_tiers[:2] == ["host", "host"]
+
+
+def test_the_resume_profile_follows_a_request_from_arrival_to_its_prefill_step(tmp_path: Any) -> None:
+    import json
+
+    from kvtier.integrations.vllm.common import LoadTime
+
+    path = tmp_path / "profile.jsonl"
+    role, _ = make_scheduler(extra={"load_mode": "async", "profile_file": str(path)})
+    req = request("pr", list(range(9000, 9000 + 3 * CHUNK + 7)))
+    held(role, req, 3)
+    assert ask(role, req) == (3 * CHUNK, True)
+    role.update_state_after_alloc(req, blocks(list(range(7))), 3 * CHUNK)
+    meta = role.build_connector_meta(output())  # the load goes out; the request waits
+    assert len(meta.loads) == 1
+    role.build_connector_meta(output())  # one more step while it loads
+    t = time.monotonic()
+    role.update_connector_output(KVTierWorkerMeta(load_times=[
+        LoadTime("pr", 0, t - 0.05, t - 0.04, t - 0.01, t, 3, 0.02, 0.005, "host")]))
+    role.build_connector_meta(output(new=[SimpleNamespace(req_id="pr", block_ids=(list(range(7)),),
+                                                          num_computed_tokens=3 * CHUNK)], scheduled={"pr": 7}))
+    assert not path.exists()  # written once its prefill step is over
+    role.build_connector_meta(output())
+    (line,) = path.read_text().splitlines()
+    got = json.loads(line)
+    assert (got["req_id"], got["decision"], got["load_tokens"], got["scheduled_tokens"]) == ("pr", "load", 3 * CHUNK, 7)
+    assert (got["chunks"], got["tier"], got["wait_steps"], got["read_s"], got["copy_s"]) == (3, "host", 2, 0.02, 0.005)
+    assert abs(got["load_s"] - 0.03) < 1e-6 and abs(got["report_s"] - 0.01) < 1e-6
+    for name in ("lookup_s", "answer_s", "alloc_s", "schedule_s", "prefill_s", "total_s"):
+        assert got[name] >= 0, name
+    parts = got["answer_s"] + got["alloc_s"] + got["queue_s"] + got["load_s"] + got["report_s"] + got["schedule_s"]
+    assert abs(parts + got["prefill_s"] - got["total_s"]) < 1e-5  # the spans tile the request's time

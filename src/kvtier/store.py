@@ -117,10 +117,17 @@ class PendingPut:
 
 @dataclass(frozen=True)
 class PrefixLoad:
-    """What ``load_into`` delivered: the first ``num_chunks`` chunks, and from which tiers."""
+    """What ``load_into`` delivered: the first ``num_chunks`` chunks, and from which tiers.
+
+    ``read_s`` and ``copy_s``: seconds spent, summed over the delivered chunks, reading and
+    validating them (a tier's ``load``, checksums included) and in the caller's sink (the copy
+    into its buffers); they overlap across the I/O threads, so they can exceed the wall time.
+    """
 
     num_chunks: int
     chunk_tiers: tuple[str, ...]
+    read_s: float = 0.0
+    copy_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -418,16 +425,23 @@ class TieredStore:
         else:
             located = self._found(ids, tiers)
         gate = _SinkGate()
+        read_s, copy_s = [0.0] * len(located), [0.0] * len(located)  # each index written by one thread
+
+        def timed(index: int, data: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            sink(index, data)
+            copy_s[index] += time.perf_counter() - t0
+
         # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
         # I/O threads, all submitted at once so that they overlap.
         futures: list[cf.Future[str | None] | None] = [
-            None if tier is self.host else self._submit(tier, i, ids[i], spec, sink, promote, gate)
+            None if tier is self.host else self._submit(tier, i, ids[i], spec, timed, promote, gate, read_s)
             for i, tier in enumerate(located)]
         tiers: list[str] = []
         try:
             for i, tier in enumerate(located):
                 try:
-                    name = self._next(i, ids[i], tier, futures, spec, sink, promote, gate, stop)
+                    name = self._next(i, ids[i], tier, futures, spec, timed, promote, gate, stop, read_s)
                 except Exception:  # a tier's or the sink's bug: the prefix ends here, the caller goes on
                     self._failures.record("a chunk's delivery")
                     break
@@ -439,10 +453,11 @@ class TieredStore:
                 if fut is not None:
                     fut.cancel()
             gate.close()
-        return PrefixLoad(len(tiers), tuple(tiers))
+        n = len(tiers)
+        return PrefixLoad(n, tuple(tiers), sum(read_s[:n]), sum(copy_s[:n]))
 
     def _submit(self, tier: Level, index: int, cid: ChunkId, spec: ChunkSpec, sink: Callable[[int, torch.Tensor], None],
-                promote: bool, gate: _SinkGate) -> cf.Future[str | None]:
+                promote: bool, gate: _SinkGate, read_s: list[float]) -> cf.Future[str | None]:
         pool = self._io.get(tier.name)
         if pool is None:
             with self._io_lock:
@@ -450,11 +465,11 @@ class TieredStore:
                 if pool is None:
                     pool = self._io[tier.name] = executor(self.config.io_threads, f"kvtier-io-{tier.name}",
                                                           self._thread_init)
-        return pool.submit(self._deliver, index, cid, tier, spec, sink, promote, gate)
+        return pool.submit(self._deliver, index, cid, tier, spec, sink, promote, gate, read_s)
 
     def _next(self, i: int, cid: ChunkId, located: Level, futures: list[cf.Future[str | None] | None],
               spec: ChunkSpec, sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate,
-              stop: threading.Event | None) -> str | None:
+              stop: threading.Event | None, read_s: list[float]) -> str | None:
         """Chunk ``i`` of a ``load_into``, handed to ``sink``: the name of the tier it came from, or
         None (not delivered: the prefix ends here).
 
@@ -484,7 +499,7 @@ class TieredStore:
                     return None
                 tier = usable[0]
                 below = self.tiers.index(tier)
-                fut = futures[i] = self._submit(tier, i, cid, spec, sink, promote, gate)
+                fut = futures[i] = self._submit(tier, i, cid, spec, sink, promote, gate, read_s)
             try:
                 name = self._await(fut, stop)
             except cf.TimeoutError:
@@ -509,12 +524,16 @@ class TieredStore:
         return None
 
     def _deliver(self, index: int, cid: ChunkId, tier: Tier, spec: ChunkSpec,
-                 sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate) -> str | None:
+                 sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate,
+                 read_s: list[float]) -> str | None:
         """On ``tier``'s I/O thread: read ``cid`` there and hand it to ``sink``. Returns the tier's
-        name, ``_GONE`` when the tier did not deliver it, or None once the load has returned."""
+        name, ``_GONE`` when the tier did not deliver it, or None once the load has returned.
+        Adds the read's seconds to ``read_s[index]``."""
         if not gate.is_open:
             return None  # the load returned (or gave up on this chunk) before the read started
+        t0 = time.perf_counter()
         got = self._read(cid, tier, spec, promote)
+        read_s[index] += time.perf_counter() - t0
         if got is None:
             return _GONE
         try:

@@ -29,11 +29,12 @@ def suite_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("suite")
     make_model(root / "model")
-    spec = SuiteSpec(root / "out", model=root / "model", configs=("recompute", "shared-pool", "lmcache"),
+    spec = SuiteSpec(root / "out", model=root / "model",
+                     configs=("engine-cache", "recompute", "shared-pool", "lmcache"),
                      concurrency=(2,), cold=WorkloadSpec("cold-resume", 2, (1536, 2560), 2, 16, 4),
                      sessions_per_concurrency=2,
                      extra=(WorkloadSpec("short-chat", 2, (64, 128), 1, 8, 4),), lmcache_python=str(root / "none"),
-                     probe_total=None, kv_cache_gib=1)
+                     probe_total="32MiB", kv_cache_gib=1, floor_kv_cache_gib=1)
     run_suite(spec)
     return spec.out
 
@@ -54,7 +55,7 @@ def test_resumed_sessions_hit_the_pool_only_with_kvtier(suite_run: Path) -> None
     # ...while kvtier restores most of each prompt from the pool (whole 256-token chunks).
     for r in resumed["shared-pool"]:
         assert r["cached_tokens"] >= r["prompt_tokens"] - 2 * 256 > 0, r
-    metrics = json.loads((suite_run / "configs.json").read_text())[1]["kvtier_metrics"]
+    metrics = json.loads((suite_run / "configs.json").read_text())[2]["kvtier_metrics"]
     assert any(m.get("tiers", {}).get("pool", {}).get("bytes_read", 0) > 0 for m in metrics.values())
 
 
@@ -81,3 +82,34 @@ def test_the_result_folder_has_the_contract_files(suite_run: Path) -> None:
     assert runs[("recompute", "short-chat")]["requests"] == 4
     env = summary["env"]
     assert env["vllm"] and env["model_shape"]["num_hidden_layers"] == 4
+
+
+def test_the_floor_is_vllms_own_cache_and_every_ttft_is_reported_against_it(suite_run: Path) -> None:
+    floor = [r for r in rows(suite_run) if r["config"] == "engine-cache" and r["phase"] == "resume"]
+    assert len(floor) == 4  # never restarted: each resume is a hit in vLLM's own prefix cache
+    # Whole 128-token blocks of the previous turn (its prompt and answer): all but the last ones.
+    assert all(r["cached_tokens"] >= r["prompt_tokens"] - 2 * 256 > 0 for r in floor), \
+        [(r["prompt_tokens"], r["cached_tokens"]) for r in floor]
+    summary = json.loads((suite_run / "summary.json").read_text())
+    pool = next(r for r in summary["runs"] if (r["config"], r["workload"]) == ("shared-pool", "cold-resume"))
+    floor_p50 = next(r["ttft_p50_s"] for r in summary["runs"]
+                     if (r["config"], r["workload"]) == ("engine-cache", "cold-resume"))
+    assert pool["floor_s"] == floor_p50 and pool["floor_bytes_s"] > 0
+    assert pool["x_floor"] == round(pool["ttft_p50_s"] / floor_p50, 4)
+    assert pool["x_floor_bytes"] == round(pool["ttft_p50_s"] / (floor_p50 + pool["floor_bytes_s"]), 4)
+    assert "x of floor + bytes" in (suite_run / "summary.md").read_text()
+
+
+def test_each_resumed_request_has_its_profile_joined_and_summarised(suite_run: Path) -> None:
+    from kvtier.bench.report import load_run
+
+    resumed = [r for r in load_run(suite_run).records if r["config"] == "shared-pool" and r["phase"] == "resume"]
+    assert len(resumed) == 4
+    for r in resumed:
+        assert r["profile_decision"] == "load" and r["profile_load_s"] > 0, r
+        assert r["profile_total_s"] <= r["ttft_s"], r  # the connector sees part of the client's time
+    (profile,) = [p for p in json.loads((suite_run / "summary.json").read_text())["profile"]
+                  if p["config"] == "shared-pool"]
+    assert profile["requests"] == profile["loaded"] == 4 and profile["read_s"] > 0
+    assert "Resume profile" in (suite_run / "summary.md").read_text()
+    assert "profile_load_s" in (suite_run / "requests.csv").read_text().splitlines()[0]

@@ -12,7 +12,9 @@ reading an answer) and records, per request:
   stream's final usage chunk (``cached_tokens`` is None when it reports none: vLLM needs
   ``--enable-prompt-tokens-details``);
 * ``error`` and ``status``: a failed request (HTTP error, broken stream, timeout) is recorded
-  with its error, never dropped, and its session goes on.
+  with its error, never dropped, and its session goes on;
+* ``request_id``: what the client sent as ``X-Request-Id`` (vLLM builds its own request id
+  from it: the key to join a server-side record, such as kvtier's resume profile).
 
 Records are plain dicts with the keys of ``RECORD_KEYS`` plus the caller's tags (config,
 concurrency, ...); ``start_s`` counts from the client's ``origin``. :func:`closed_loop` runs
@@ -26,6 +28,7 @@ import itertools
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,7 +38,7 @@ import httpx
 Api = Literal["completions", "chat"]
 Record = dict[str, Any]
 RECORD_KEYS = ("phase", "measured", "session", "turn", "instance", "start_s", "ttft_s", "itl_s", "e2e_s",
-               "prompt_tokens", "output_tokens", "cached_tokens", "error", "status")
+               "prompt_tokens", "output_tokens", "cached_tokens", "error", "status", "request_id")
 
 
 @dataclass
@@ -145,15 +148,16 @@ class LoadClient:
         else:
             url = f"{target.base_url}/v1/completions"
             body["prompt"] = render_prompt(messages)
+        request_id = f"kvtb-{session.id}-{index}-{uuid.uuid4().hex[:8]}"
         record: Record = {"phase": turn.phase, "measured": turn.measured, "session": session.id, "turn": index,
                           "instance": instance, "ttft_s": None, "itl_s": None, "e2e_s": None,
                           "prompt_tokens": None, "output_tokens": 0, "cached_tokens": None, "error": None,
-                          "status": None}
+                          "status": None, "request_id": request_id}
         t0 = time.perf_counter()
         record["start_s"] = t0 - self.origin
         text: list[str] = []
         try:
-            await asyncio.wait_for(self._stream(http, url, body, t0, record, text), self.timeout_s)
+            await asyncio.wait_for(self._stream(http, url, body, t0, record, text, request_id), self.timeout_s)
         except TimeoutError:
             record["error"] = f"timeout: no complete response within {self.timeout_s:g} s"
         except httpx.HTTPError as exc:
@@ -164,10 +168,10 @@ class LoadClient:
         return record
 
     async def _stream(self, http: httpx.AsyncClient, url: str, body: dict[str, Any], t0: float,
-                      record: Record, text: list[str]) -> None:
+                      record: Record, text: list[str], request_id: str) -> None:
         first = last = None
         chunks = 0
-        async with http.stream("POST", url, json=body) as resp:
+        async with http.stream("POST", url, json=body, headers={"X-Request-Id": request_id}) as resp:
             record["status"] = resp.status_code
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:300]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.bench import profiles
 from kvtier.bench.suite import CONFIGS
 from kvtier.fileio import write_atomic
 from kvtier.jsonl import json_objects
@@ -110,6 +111,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     env = _load_json(folder / "env.json", {})
     if not isinstance(env, dict):
         raise ValueError(f"{folder / 'env.json'}: expected a JSON object")
+    records = profiles.join(records, profiles.load_profiles(folder))  # profile_* fields, where written
     return Run(path=folder, records=records, configs=configs, env=env)
 
 
@@ -217,6 +219,15 @@ def summarize(run: Run) -> list[Record]:
         status, error = statuses.get((config, instances, workload), ("ok", None))
         out.append({"config": config, "instances": instances, "workload": workload, "concurrency": concurrency,
                     **_group_summary(groups[key]), "status": status, "error": error})
+    floors = profiles.floor_figures(run.env, out, run.records)
+    for entry in out:
+        floor = floors.get((entry["workload"], entry["instances"], entry["concurrency"]))
+        p50 = entry["ttft_p50_s"]
+        if floor is not None:
+            entry.update(floor_s=floor["floor_s"], floor_bytes_s=floor["bytes_s"],
+                         x_floor=round(p50 / floor["floor_s"], 4) if p50 is not None else None,
+                         x_floor_bytes=round(p50 / (floor["floor_s"] + floor["bytes_s"]), 4)
+                         if p50 is not None and floor["bytes_s"] is not None else None)
     return out
 
 
@@ -286,10 +297,15 @@ def _section_markdown(section: SectionKey, entries: list[Record]) -> list[str]:
     header = ["concurrency", *(f"{c} TTFT p50 (s)" for c in configs), *(f"{c} tok/s" for c in configs)]
     lines += _table(header, ([str(n), *(cell(c, n, "ttft_p50_s", ".3f") for c in configs),
                               *(cell(c, n, "output_tok_s", ".1f") for c in configs)] for n in concurrencies))
+    def of_floor(config: str, concurrency: int, name: str) -> str:
+        entry = by_key.get((config, concurrency))
+        return _NONE if entry is None or entry.get(name) is None else f"{entry[name]:.2f}x"
+
     lines += ["### TTFT p50 vs baselines", ""]
-    lines += _table(["config", "concurrency", "x vs recompute", "vs local-disk"],
+    lines += _table(["config", "concurrency", "x vs recompute", "vs local-disk", "x of floor", "x of floor + bytes"],
                     ([c, str(n), format_speedup(p50("recompute", n), p50(c, n)),
-                      format_change(p50("local-disk", n), p50(c, n))] for c in configs for n in concurrencies))
+                      format_change(p50("local-disk", n), p50(c, n)), of_floor(c, n, "x_floor"),
+                      of_floor(c, n, "x_floor_bytes")] for c in configs for n in concurrencies))
     lines += ["### TTFT p90 (s)", ""]
     lines += _table(["concurrency", *configs],
                     ([str(n), *(cell(c, n, "ttft_p90_s", ".3f") for c in configs)] for n in concurrencies))
@@ -311,7 +327,9 @@ def _section_markdown(section: SectionKey, entries: list[Record]) -> list[str]:
 _HOW_TO_READ = (
     "How to read: TTFT is the time to the first streamed token (lower is better); `x vs recompute` is "
     "recompute's TTFT p50 divided by the configuration's (above 1x: faster than recomputing the prompt); "
-    "`vs local-disk` is the TTFT p50 difference to local disk (negative: lower TTFT); tok/s is output tokens "
+    "`vs local-disk` is the TTFT p50 difference to local disk (negative: lower TTFT); `x of floor` is the "
+    "TTFT p50 over engine-cache's (vLLM's own prefix-cache hit: the floor), `x of floor + bytes` over the floor "
+    "plus the resumed prompt's KV bytes at the storage probe's best read rate; tok/s is output tokens "
     "of successful requests over the group's wall time; failed = the configuration never served that step."
 )
 
@@ -324,6 +342,7 @@ def render_markdown(run: Run, summary: list[Record]) -> str:
              f"{len({e['config'] for e in summary})} configurations.", ""]
     for section, entries in _sections(summary).items():
         lines += _section_markdown(section, entries)
+    lines += profiles.profile_markdown(profiles.profile_summary(run.records))
     return "\n".join([*lines, _HOW_TO_READ, ""])
 
 
@@ -482,7 +501,7 @@ def write_report(run: Run, out: str | os.PathLike[str] | None = None) -> dict[st
     folder = Path(out) if out is not None else run.path
     folder.mkdir(parents=True, exist_ok=True)
     runs = summarize(run)
-    summary = {"runs": runs, "env": run.env}
+    summary = {"runs": runs, "env": run.env, "profile": profiles.profile_summary(run.records)}
     write_atomic(folder / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     write_atomic(folder / "requests.csv", _csv_text(run.records).encode())
     write_atomic(folder / "summary.md", render_markdown(run, runs).encode())

@@ -4,6 +4,10 @@ For every configuration the suite starts vLLM's OpenAI server itself (on loopbac
 workloads, stops it, and moves on; a configuration that fails is recorded with its error and
 the suite goes on. Configurations:
 
+* ``engine-cache``: the floor. vLLM without a connector, with KV memory for every session
+  (``floor_kv_cache_gib``) and no restart between populate and resume: each resume is a hit in
+  vLLM's own prefix cache, as if the KV had never left. Every configuration's TTFT is reported
+  as a multiple of it (and of it plus the chunk bytes at the storage probe's best rate);
 * ``recompute``: vLLM without any KV connector (its own prefix cache only);
 * ``local-disk``: kvtier with host DRAM and a local disk tier, one per instance;
 * ``shared-pool``: kvtier with host DRAM and the shared fs pool (no local disk tier);
@@ -56,13 +60,15 @@ from kvtier.bench.engines import EngineError, Process, free_port, root_cause
 from kvtier.bench.workload import TextMaker, WorkloadSpec, make_sessions
 
 ENGINES = {  # configuration -> the ConfigRunner method that builds its engine's argv
-    "recompute": "_vllm", "local-disk": "_kvtier", "shared-pool": "_kvtier", "example-connector": "_example",
-    "lmcache": "_lmcache_engine", "vllm-offload-cpu": "_offload", "vllm-offload-fs": "_offload",
+    "engine-cache": "_vllm", "recompute": "_vllm", "local-disk": "_kvtier", "shared-pool": "_kvtier",
+    "example-connector": "_example", "lmcache": "_lmcache_engine", "vllm-offload-cpu": "_offload",
+    "vllm-offload-fs": "_offload",
 }
 CONFIGS = tuple(ENGINES)  # the registry, in the order a reader compares them
+FLOOR = "engine-cache"  # never restarted: resumes hit vLLM's own prefix cache
 # What a preset runs unless --configs says otherwise: vLLM's native offloading is opt-in, as
 # vLLM 0.32 runs it on CUDA and XPU only (on the CPU build both fail at start, as recorded).
-DEFAULT_CONFIGS = ("recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
+DEFAULT_CONFIGS = ("engine-cache", "recompute", "local-disk", "shared-pool", "example-connector", "lmcache")
 SERVED_NAME = "bench"
 
 
@@ -81,6 +87,7 @@ class SuiteSpec:
     run_cold: bool = True  # False: only the ``extra`` workloads (e.g. a short-chat-only run)
     host_bytes: str = "1GiB"
     kv_cache_gib: int = 2
+    floor_kv_cache_gib: int = 6  # engine-cache: room for every session's KV (the tiny model: ~3M tokens)
     lmcache_python: str | None = None
     lmcache_l1_gib: float = 1.0  # LMCache allocates all of it at start on CPU
     start_timeout_s: float = 300.0
@@ -103,7 +110,8 @@ def presets(name: str, out: Path) -> SuiteSpec:
                          extra=(WorkloadSpec("short-chat", 8, (128, 512), 1, 32, 32),
                                 WorkloadSpec("chat", 4, (512, 1024), 4, 64, 32, think_s=0.5)))
     if name == "seed":
-        return SuiteSpec(out, configs=("recompute", "local-disk", "shared-pool", "lmcache"), concurrency=(8, 16, 32),
+        return SuiteSpec(out, configs=("engine-cache", "recompute", "local-disk", "shared-pool", "lmcache"),
+                         concurrency=(8, 16, 32),
                          cold=WorkloadSpec("cold-resume", 8, (6144, 8192), 2, 32, 32), sessions_per_concurrency=1,
                          host_bytes="2GiB", kv_cache_gib=4, lmcache_l1_gib=2.0)
     raise ValueError(f"preset: {name!r}; use one of {', '.join(PRESETS)}")
@@ -212,7 +220,8 @@ class ConfigRunner:
     def _engine(self, i: int) -> Process:
         port = free_port()
         args = engine_argv(self.spec, self.model, port, self.max_len)
-        env = engine_env(self.spec.kv_cache_gib)
+        env = engine_env(max(self.spec.kv_cache_gib, self.spec.floor_kv_cache_gib) if self.config == FLOOR
+                         else self.spec.kv_cache_gib)
         c = self.config
         build = getattr(self, ENGINES.get(c, ""), None)
         if build is None:
@@ -233,6 +242,7 @@ class ConfigRunner:
             settings["pool_url"] = f"fs://{self.work / 'pool'}"
             settings["pool_bytes"] = "16GiB"
         settings["metrics_file"] = str(self.work / f"metrics-{i}")
+        settings["profile_file"] = str(self.work / f"profile-{i}.jsonl")  # the resume profile (bench.profiles)
         return kvtier_serve_argv(settings, self.work / f"kvtier-{i}.yaml", args)
 
     def _example(self, i: int, args: list[str]) -> list[str]:
@@ -391,7 +401,7 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
             asyncio.run(client.run(group, range(0, 1), c, on_record=recorder,
                                    tags={**tags, "workload": "cold-resume", "concurrency": c}))
             runner.check()
-        if n == 1 and sessions:
+        if n == 1 and sessions and config != FLOOR:
             progress(f"{config}: restarting (evicts vLLM's cache and any DRAM tier; storage survives)")
             runner.restart()
             client.targets = runner.targets()
@@ -420,7 +430,24 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
     metrics = {path.name: read_metrics(path) for path in sorted((spec.out / "work" / config).glob("metrics-*.json"))}
     if metrics:
         entry["kvtier_metrics"] = metrics
+    collect_profiles(spec.out, config)
     return entry
+
+
+def collect_profiles(out: Path, config: str) -> int:
+    """Append the resume profiles of ``config``'s engines (``profile_file``) to ``out/profiles.jsonl``,
+    tagged with the configuration; returns how many (``kvtier.bench.profiles`` joins them)."""
+    n = 0
+    with open(out / "profiles.jsonl", "a") as dst:
+        for path in sorted((out / "work" / config).glob("profile-*.jsonl")):
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a killed engine
+                dst.write(json.dumps({"config": config, **row}) + "\n")
+                n += 1
+    return n
 
 
 def environment(spec: SuiteSpec, model: Path) -> dict[str, Any]:

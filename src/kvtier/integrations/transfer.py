@@ -58,6 +58,12 @@ class Loaded:
     chunk_tiers: tuple[str, ...]
     seconds: float
     stopped: bool = False
+    started: float = 0.0
+    """``time.monotonic()`` when the load began reading (after any wait for a loader thread)."""
+    read_s: float = 0.0
+    """Seconds reading and validating the delivered chunks, summed over them (``PrefixLoad``)."""
+    copy_s: float = 0.0
+    """Seconds copying them into the blocks, summed over them."""
 
 
 class LoadJob:
@@ -66,6 +72,7 @@ class LoadJob:
     def __init__(self, future: cf.Future[Loaded], stop: threading.Event) -> None:
         self._future = future
         self._stop = stop
+        self.submitted = time.monotonic()
 
     def stop(self) -> None:
         """Ask the load to end at the next chunk; ``done()`` tells when it has."""
@@ -177,12 +184,12 @@ class PageMover:
                 done.record(stream)
             done.synchronize()  # ``data`` is the store's only until this returns
 
-        t0 = time.perf_counter()
+        started, t0 = time.monotonic(), time.perf_counter()
         # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
         result = self.store.load_into(ids, sink, promote=False, stop=stop, tenant_salt=tenant_salt, tiers=tiers)
         whole = result.num_chunks // k  # a chunk counts once every one of its shards is in
         return Loaded(whole, result.chunk_tiers[:whole * k], time.perf_counter() - t0,
-                      stop is not None and stop.is_set())
+                      stop is not None and stop.is_set(), started, result.read_s, result.copy_s)
 
     def submit_load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None],
                     tenant_salt: str | None = None, tiers: Sequence[str] | None = None) -> LoadJob:

@@ -50,6 +50,23 @@ class Transfer:
     from); the workers read from there without looking the chunks up again. Empty: look up."""
 
 
+@dataclass(frozen=True)
+class LoadTime:
+    """Where one rank's load of one request spent its time (``time.monotonic()`` seconds, one
+    clock for every process of the machine): for the resume profile (``profile.py``)."""
+
+    req_id: str
+    rank: int
+    submitted: float  # the load was handed to a loader thread (= started for a synchronous load)
+    started: float  # it began reading
+    ended: float  # its last chunk was in the blocks
+    reported: float  # the rank told vLLM (get_finished; a synchronous load: ended)
+    chunks: int
+    read_s: float  # reading and validating, summed over chunks (they overlap across I/O threads)
+    copy_s: float  # copying into the blocks, summed over chunks
+    tier: str  # the slowest tier a chunk came from ("" when none was delivered)
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One scheduler step's work for every worker: loads before the forward pass, saves after."""
@@ -88,6 +105,8 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     tier_changes: list[tuple[str, bool, bytes]] = field(default_factory=list)
     sync_loads: list[tuple[str, bool]] = field(default_factory=list)
     unavailable: dict[int, list[str]] = field(default_factory=dict)
+    load_times: list[LoadTime] = field(default_factory=list)
+    """One per load that ended this step, when the scheduler keeps a resume profile."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Fold another rank's report into this one (vLLM calls it over all ranks)."""
@@ -101,6 +120,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
             self.sync_loads.extend(other.sync_loads)
             for rank, names in other.unavailable.items():
                 self.unavailable.setdefault(rank, []).extend(names)
+            self.load_times.extend(other.load_times)
         return self
 
 

@@ -92,6 +92,10 @@ class ConnectorConfig:
     announce and withdraw them (about 2.5 KB each at 256 tokens per chunk)."""
     metrics_file: str | None = None
     """Rewrite ``<metrics_file>.<role>.json`` every 5 s and at shutdown."""
+    profile_file: str | None = None
+    """Append one JSON line per request to this file once its prefill is scheduled: where its
+    time went (lookup, waiting for the load, each rank's reads and copies, the prefill step;
+    ``profile.py``). For benchmarks: off by default."""
     config: str | None = None
     """A kvtier YAML file with store settings (the extra config's own store settings win)."""
     inject_faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -101,7 +105,7 @@ class ConnectorConfig:
 
     KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
             "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks",
-            "metrics_file", "config", "inject_faults")
+            "metrics_file", "profile_file", "config", "inject_faults")
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -130,7 +134,7 @@ class ConnectorConfig:
         if isinstance(self.min_load_tokens, bool) or not isinstance(self.min_load_tokens, int) \
                 or self.min_load_tokens < 0:
             raise ValueError(f"kvtier setting min_load_tokens: expected an integer >= 0, got {self.min_load_tokens!r}")
-        for name in ("metrics_file", "config"):
+        for name in ("metrics_file", "profile_file", "config"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
                 raise ValueError(f"kvtier setting {name}: expected a file path, got {value!r}")

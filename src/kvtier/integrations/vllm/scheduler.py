@@ -64,6 +64,7 @@ from kvtier.integrations.vllm.common import (
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
 from kvtier.integrations.vllm.events import ChunkEvents
+from kvtier.integrations.vllm.profile import Profile, Profiler
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.tiers.base import Level, Tier
@@ -94,6 +95,7 @@ class _Lookup:
     started: float
     future: cf.Future[list[str]]
     decided: bool = False  # its outcome was counted (vLLM may ask again for the same lookup)
+    done_at: float | None = None  # monotonic, set by the lookup thread (the resume profile)
 
 
 @dataclass
@@ -114,6 +116,7 @@ class _Request:
     request: Any = None  # vLLM's Request (its block hashes, for KV events)
     retain_s: float = 0.0  # the session asked kvtier to keep its chunks this long
     retained: bool = False  # the chunks it had when first scheduled were sent for retention
+    profile: Profile | None = None  # with profile_file: where its time goes (profile.py)
     unverified: bool = False
     """A synchronous load of it went to the workers and not every rank has reported it complete:
     the step that ran it computed over the loaded blocks, so nothing it computed is saved until
@@ -205,6 +208,7 @@ class SchedulerRole:
         self.rank_tiers: dict[int, list[Level]] = self._open_views(inject_faults)
         self.adapters = AdapterIdentities()
         self._warned: set[str] = set()
+        self.profiler = Profiler(connector.profile_file) if connector.profile_file is not None else None
 
     # ---------------------------------------------------------------- the lookup view
 
@@ -293,6 +297,10 @@ class SchedulerRole:
                 namespace = self.namespace if salt is None else self.namespace.with_salt(salt)
                 state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace,
                                  salt, extra, request=request, retain_s=self._retain_s(request))
+            if self.profiler is not None:
+                state.profile = self.profiler.arrived(request.request_id,
+                                                      str(getattr(request, "external_req_id", None) or request.request_id),
+                                                      prompt_len)
             self._requests[request.request_id] = state
         return state
 
@@ -356,6 +364,9 @@ class SchedulerRole:
         lookup = state.lookup
         if lookup is None or lookup.first > first:
             lookup = state.lookup = _Lookup(first, time.monotonic(), self._lookups.submit(self.locate, state, first))
+            if state.profile is not None:
+                state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
+                lookup.future.add_done_callback(lambda _, lk=lookup: setattr(lk, "done_at", time.monotonic()))
         if self._idle:
             # Nothing runs, so a short wait stalls no one: a lookup of local files takes
             # microseconds, and answering in this call saves the request an engine step.
@@ -364,7 +375,7 @@ class SchedulerRole:
             if time.monotonic() - lookup.started < self.connector.lookup_timeout_s:
                 return None, False
             self.counters["lookup_timeouts"] += 1
-            self._decided(lookup, "timeout")
+            self._decided(lookup, "timeout", state)
             log.warning("kvtier: lookup of %s took over %.1f s (lookup_timeout_s); scheduled without a hit",
                         request.request_id, self.connector.lookup_timeout_s)
             state.lookup = None
@@ -385,24 +396,27 @@ class SchedulerRole:
         state.chunk_tiers = chunk_tiers
         ext = end - num_computed_tokens
         if ext <= 0:
-            self._decided(lookup, "miss")
+            self._decided(lookup, "miss", state)
             return 0, False
         if ext < self.connector.min_load_tokens:
-            self._decided(lookup, "short")
+            self._decided(lookup, "short", state)
             return 0, False
         if not self._pays_off(chunk_tiers, num_computed_tokens, end):
-            self._decided(lookup, "recompute")
+            self._decided(lookup, "recompute", state)
             return 0, False
-        self._decided(lookup, "load")
+        self._decided(lookup, "load", state)
         state.load = (num_computed_tokens, end)
         return ext, self.connector.load_mode == "async"
 
-    def _decided(self, lookup: _Lookup, decision: str) -> None:
+    def _decided(self, lookup: _Lookup, decision: str, state: _Request) -> None:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
         if not lookup.decided:
             lookup.decided = True
             name = f"decision.{decision}"
             self.counters[name] = self.counters.get(name, 0) + 1
+            if state.profile is not None:
+                state.profile.decision, state.profile.answered = decision, time.monotonic()
+                state.profile.lookup_done = lookup.done_at
 
     def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
         """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
@@ -438,6 +452,11 @@ class SchedulerRole:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(num_tokens=scheduler_output.total_num_scheduled_tokens)
         self._idle = meta.num_tokens == 0
+        if self.profiler is not None:
+            self.profiler.step({new.req_id: scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+                                for new in scheduler_output.scheduled_new_reqs} |
+                               {r: scheduler_output.num_scheduled_tokens.get(r, 0)
+                                for r in scheduler_output.scheduled_cached_reqs.resumed_req_ids})
         meta.loads, self._background_loads = self._background_loads, []
         meta.saves, self._finishing = self._finishing, []
         meta.finished = [t.req_id for t in meta.saves]
@@ -478,6 +497,8 @@ class SchedulerRole:
             self._plan_save(meta, req_id, state, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
+            if self.profiler is not None:
+                self.profiler.finished(req_id)
         return meta
 
     def _retain_had(self, meta: KVTierMetadata, req_id: str, state: _Request) -> None:
@@ -495,6 +516,8 @@ class SchedulerRole:
                                  -(-end // self.chunk_tokens))
         # Counted here, not per lookup: vLLM asks again for a request it could not schedule yet.
         self.counters["matched_tokens"] += end - start
+        if state.profile is not None:
+            state.profile.dispatched, state.profile.load_tokens = time.monotonic(), end - start
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
         state.load = None
         transfer = self._transfer(req_id, state, start, end)
@@ -573,6 +596,8 @@ class SchedulerRole:
                 state.unverified = False
         for rank, names in meta.unavailable.items():
             self._drop_views(rank, names)
+        if self.profiler is not None and meta.load_times:
+            self.profiler.loads(meta.load_times)
         for rank, changes in meta.host_changes.items():
             view = self.host_views.get(rank)
             if view is not None:
@@ -623,6 +648,8 @@ class SchedulerRole:
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self.guard.close()
         closed: set[int] = set()

@@ -43,6 +43,7 @@ from kvtier.integrations.transfer import Loaded, LoadJob, PageMover
 from kvtier.integrations.vllm.common import (
     KVTierMetadata,
     KVTierWorkerMeta,
+    LoadTime,
     Transfer,
     new_counters,
     tier_unavailable,
@@ -95,6 +96,8 @@ class WorkerRole:
         self._evictions: EvictionReader | None = None
         self._sync_loads: list[tuple[str, bool]] = []  # this step's synchronous loads, to report
         self._unavailable: list[str] = []  # tiers this rank's store left out, to report once
+        self.profiles = connector.profile_file is not None  # the scheduler keeps a resume profile
+        self._load_times: list[LoadTime] = []
 
     def _disable(self, why: str) -> None:
         self.disabled = True
@@ -212,10 +215,10 @@ class WorkerRole:
             tiers = [t for t in load.chunk_tiers for _ in self.shards] if load.chunk_tiers else None
             if mover is not None and not load.background:
                 got = mover.load(ids, load.block_ids, tenant_salt=load.salt, tiers=tiers)
-                self._finish_load(load, got)
+                self._finish_load(load, got, got.started)
                 self._sync_loads.append((load.req_id, got.num_chunks == len(load.chunk_ids)))
             elif mover is None:  # disabled: every block is a load error, and a background load is over
-                self._finish_load(load, Loaded(0, (), 0.0))
+                self._finish_load(load, Loaded(0, (), 0.0), time.monotonic())
                 if load.background:
                     self._recved.add(load.req_id)
                 else:
@@ -229,12 +232,16 @@ class WorkerRole:
         n = self.dep.sharding.num_shards
         return [shard_id(c, s, n) for c in ids for s in self.shards]
 
-    def _finish_load(self, load: Transfer, got: Loaded) -> None:
+    def _finish_load(self, load: Transfer, got: Loaded, submitted: float) -> None:
         """Count a load that is over; its blocks past the delivered chunks are load errors."""
         bpc, n = self.blocks_per_chunk, got.num_chunks
+        slowest = max(got.chunk_tiers, key=lambda name: self._tier_order.get(name, 0)) if n else ""
         if n:
-            slowest = max(got.chunk_tiers, key=lambda name: self._tier_order.get(name, 0))
             self._reads.append((slowest, n * len(self.shards) * self.config.chunk_bytes, got.seconds))
+        if self.profiles:
+            started = got.started or submitted
+            self._load_times.append(LoadTime(load.req_id, self.rank, submitted, started, started + got.seconds,
+                                             time.monotonic(), n, got.read_s, got.copy_s, slowest))
         self.counters["loaded_tokens"] += sum(1 for b in load.block_ids[:n * bpc] if b is not None) * self.block_size
         if got.stopped:
             self.counters["stopped_loads"] += 1
@@ -298,7 +305,7 @@ class WorkerRole:
         for req_id, (job, load) in list(self._jobs.items()):
             if job.done():
                 del self._jobs[req_id]
-                self._finish_load(load, job.result())
+                self._finish_load(load, job.result(), job.submitted)
                 self._recved.add(req_id)
         recved, self._recved = self._recved, set()
         mover = self.mover
@@ -326,17 +333,18 @@ class WorkerRole:
         tier_changes = self._tier_changes()
         disabled = self.disabled and not self._reported_disabled
         if not changes and not tier_changes and not self._reads and not self._prefill_samples and not disabled \
-                and not self._sync_loads and not self._unavailable:
+                and not self._sync_loads and not self._unavailable and not self._load_times:
             return None
         self._reported_disabled = self.disabled
         reads, self._reads = self._reads, []
         prefill, self._prefill_samples = self._prefill_samples, []
         sync_loads, self._sync_loads = self._sync_loads, []
         unavailable, self._unavailable = self._unavailable, []
+        load_times, self._load_times = self._load_times, []
         return KVTierWorkerMeta(host_changes={self.rank: [(added, bytes(key)) for added, key in changes]},
                                 reads=reads, prefill=prefill, disabled=[self.rank] if disabled else [],
                                 tier_changes=tier_changes, sync_loads=sync_loads,
-                                unavailable={self.rank: unavailable} if unavailable else {})
+                                unavailable={self.rank: unavailable} if unavailable else {}, load_times=load_times)
 
     @property
     def loads_in_flight(self) -> int:
