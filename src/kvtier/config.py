@@ -70,6 +70,12 @@ class StoreConfig:
     io_threads: int = 8
     write_threads: int = 1
     write_queue_chunks: int | None = None
+    write_nice: int = 10
+    """Scheduling priority of the background writer threads (0-19; higher yields more): their
+    copies and checksums run behind the engine's threads instead of preempting them."""
+    host_prefault: bool = False
+    """Fault host DRAM's pages in at open, on a thread of the lowest priority, instead of on the
+    engine's thread at its first saves (engine integrations turn it on; ``memory.py``)."""
     read_timeout_s: float = 10.0
     tier_cooldown_s: float = 30.0
     lookup_threads: int = 16
@@ -99,6 +105,11 @@ class StoreConfig:
         _positive_int("chunk_tokens", self.chunk_tokens, "use a multiple of the engine's block size, e.g. 256")
         _positive_int("io_threads", self.io_threads, "e.g. 8")
         _positive_int("write_threads", self.write_threads, "e.g. 1")
+        if isinstance(self.write_nice, bool) or not isinstance(self.write_nice, int) or not 0 <= self.write_nice <= 19:
+            raise ValueError(f"write_nice: must be an integer 0-19 (0: as the engine; 19: only idle time), "
+                             f"got {self.write_nice!r}")
+        if not isinstance(self.host_prefault, bool):
+            raise ValueError(f"host_prefault: expected true/false, got {self.host_prefault!r}")
         _positive_int("lookup_threads", self.lookup_threads, "e.g. 16, or 1 for one metadata call at a time")
         if isinstance(self.lookup_negative_ttl_s, bool) or not isinstance(self.lookup_negative_ttl_s, (int, float)) \
                 or not 0 <= self.lookup_negative_ttl_s <= 60:
@@ -209,9 +220,9 @@ _ALIASES = {
 _GB_ALIASES = {"max_local_cpu_size": "host_bytes", "max_local_disk_size": "disk_bytes"}
 _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 _INT_KEYS = {"chunk_tokens", "rank", "world_size", "io_threads", "write_threads", "write_queue_chunks",
-             "lookup_threads",
+             "lookup_threads", "write_nice",
              "num_layers", "num_kv_heads", "head_dim"}
-_BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster"}
+_BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster", "host_prefault"}
 _FLOAT_KEYS = {"read_timeout_s", "tier_cooldown_s", "redis_timeout_s", "redis_ttl_s", "lookup_negative_ttl_s"}
 _NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
                   "redis_options"}

@@ -227,7 +227,7 @@ class TieredStore:
         self.chunk_tokens = config.chunk_tokens
         self.namespace: Namespace = config.namespace()
         if tiers is None and host is None and config.host_bytes > 0:
-            host = HostCache(config.host_bytes, config.layout, config.chunk_tokens)
+            host = HostCache(config.host_bytes, config.layout, config.chunk_tokens, prefault=config.host_prefault)
         self.host: HostCache | None = host
         self.tiers: list[Tier] = list(tiers) if tiers is not None else open_tiers(config, unavailable, thread_init)
         self.store_metrics = TierMetrics("store")
@@ -240,7 +240,7 @@ class TieredStore:
         self._retention = Retention(self.store_metrics, self._failures, thread_init)
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
                                         after_store=self._retention.landed, failures=self._failures,
-                                        init=thread_init)
+                                        init=thread_init, nice=config.write_nice)
         # io_threads per tier: reads stuck in a hung tier (a read cannot be cancelled) hold only
         # that tier's threads, never the ones the other tiers' reads need.
         # io_threads per tier, started on first use: reads stuck in a hung tier (a read cannot be

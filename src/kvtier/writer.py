@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkKey
+from kvtier.memory import lower_priority
 from kvtier.threads import Failures, ThreadInit, thread
 from kvtier.tiers.base import Chunk, Status, Tier
 
@@ -36,10 +37,11 @@ class BackgroundWriter:
 
     def __init__(self, max_queued: int, num_threads: int = 1,
                  after_store: Callable[[Tier, ChunkKey], None] | None = None,
-                 failures: Failures | None = None, init: ThreadInit | None = None) -> None:
+                 failures: Failures | None = None, init: ThreadInit | None = None, nice: int = 0) -> None:
         self._after_store = after_store
         self._failures = failures or Failures()
         self._queue: queue.Queue[_Write | None] = queue.Queue(max_queued)
+        self._nice = nice  # the threads' priority (memory.lower_priority): behind the engine's
         self._threads = [thread(self._run, f"kvtier-writer-{i}", init) for i in range(num_threads)]
         self._closed = False
         for t in self._threads:
@@ -82,6 +84,8 @@ class BackgroundWriter:
             t.join()
 
     def _run(self) -> None:
+        if self._nice:
+            lower_priority(self._nice)
         while True:
             item = self._queue.get()
             try:

@@ -8,8 +8,10 @@ such chunk is pinned by a ``Lease``: eviction never reuses a pinned slot, so nob
 a slot's bytes change under them. Eviction only drops the in-memory copy: chunks also written
 to disk or the pool stay available there.
 
-The slab is allocated once (its pages are touched on first use only) and reused: a read into
-host DRAM costs no allocation. Like a tier, the cache has a ``name`` ("host"), ``metrics`` and
+The slab is allocated once and reused: a read into host DRAM costs no allocation. It is mapped
+as transparent huge pages where the kernel has them, and with ``prefault`` its pages are faulted
+in by a background thread of the lowest priority (``memory.py``): on a virtual machine a first
+touch costs many times a copy, and engines fill slots from their own thread. Like a tier, the cache has a ``name`` ("host"), ``metrics`` and
 ``lookup``, so the store's one walk (``tiers.locate``) finds chunks in it and in the tiers below.
 """
 
@@ -27,7 +29,8 @@ from kvtier.format import PAYLOAD_OFFSET, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, aligned_buffer
+from kvtier import memory
+from kvtier.tiers.base import ChangeJournal, Chunk
 
 
 class Lease:
@@ -60,7 +63,7 @@ class HostCache:
     name = "host"
     may_hang = False  # in-process memory: lookups never block (for tiers.locate)
 
-    def __init__(self, capacity_bytes: int, layout: KVLayout, chunk_tokens: int) -> None:
+    def __init__(self, capacity_bytes: int, layout: KVLayout, chunk_tokens: int, *, prefault: bool = False) -> None:
         self.shape = layout.shape(chunk_tokens)
         self.dtype = layout.dtype
         self.payload_bytes = chunk_tokens * layout.bytes_per_token
@@ -69,7 +72,9 @@ class HostCache:
         self.capacity_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
         self._lock = threading.Lock()
-        self._slab = aligned_buffer(self.num_slots * self.slot_bytes) if self.num_slots else np.empty(0, np.uint8)
+        self._slab = memory.slab(self.num_slots * self.slot_bytes)
+        if prefault:
+            memory.prefault(self._slab)
         self._slots = [_Slot() for _ in range(self.num_slots)]
         self._views: list[torch.Tensor | None] = [None] * self.num_slots
         self._free = list(range(self.num_slots - 1, -1, -1))

@@ -381,6 +381,7 @@ def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_c
         base["chunk_tokens"] = max(256, dep.block_size)
     if not any(k in base for k in ("model_id", "model", "model_name")):
         base["model_id"] = vllm_config.model_config.model
+    base.setdefault("host_prefault", True)  # first touches off the engine's thread (memory.py)
     # Head shards are the same at any tensor-parallel size: their namespace does not name it.
     world_size = 1 if dep.sharding.by_heads else dep.sharding.world_size
     config = load_settings(base, **settings, layout=dep.layout, rank=0, world_size=world_size,
