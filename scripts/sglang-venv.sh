@@ -7,6 +7,8 @@
 # DeepEP and other GPU kernels (well over 10 GB) that its storage path never imports. The
 # packages below are what `sglang.srt.mem_cache` and `sglang.srt.managers.cache_controller`
 # import, at sglang's own pins where it pins them. About 3 minutes and 6 GB.
+# KVTIER_SGLANG_ENGINE=1 adds what sglang.Engine and sglang.launch_server import, for the opt-in
+# engine test (tests/hicache/test_hicache_engine.py, KVTIER_TEST_SGLANG_ENGINE=1; about 40 s more).
 #   bash scripts/sglang-venv.sh [VENV]      (default .venv-sglang)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,12 @@ PY=${PYTHON:-python3}
     compressed-tensors==0.18.0 orjson psutil pybase64 requests packaging pillow starlette \
     fastapi msgspec pydantic pyzmq tqdm ipython aiohttp dill gguf triton numpy
 "$VENV/bin/pip" install -q -e '.[test]' torch==2.14.1
+if [ "${KVTIER_SGLANG_ENGINE:-0}" = 1 ]; then
+    "$VENV/bin/pip" install -q torch==2.14.1 openai==2.8.0 xgrammar==0.2.7 uvloop uvicorn setproctitle \
+        interegular partial_json_parser python-multipart zstandard einops jsonschema soundfile==0.13.1 \
+        'python-dateutil<3'
+    "$VENV/bin/python" -c "import sglang.srt.entrypoints.engine, sglang.srt.entrypoints.http_server"
+fi
 "$VENV/bin/python" -c "
 import sglang.srt.managers.cache_controller, sglang.srt.mem_cache.memory_pool_host
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory

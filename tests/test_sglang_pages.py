@@ -4,13 +4,17 @@ in tests/hicache/ (its own venv)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from kvtier.integrations.sglang.pages import (
-    BackendSettings, PageGeometry, Parallel, page_chunk_id, page_digest, store_config)
+    BackendSettings,
+    PageGeometry,
+    Parallel,
+    page_chunk_id,
+    page_digest,
+    store_config,
+)
 from kvtier.keys import recompute_key
 
 
