@@ -34,7 +34,9 @@ from kvtier.format import (
 from kvtier.keys import DIGEST_BYTES, ChunkKey, recompute_key
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.evict import LOG_BATCH, EvictionLog
+from kvtier.threads import executor
+from kvtier.tiers.evict import LOG_BATCH, SCAN_THREADS, listed
+from kvtier.tiers.evictlog import EvictionLog
 from kvtier.tiers.files import MARKER, ChunkFiles
 from kvtier.tiers.ledger import anchor, fold_dead, read_usage, remove_orphans
 from kvtier.tiers.poollock import PoolLocks
@@ -242,12 +244,13 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
     make the pool's byte count exact again (an anchor, ``tiers/ledger.py``).
 
     Every chunk is listed and ``lstat``-ed with no lock held (live engines go on writing and
-    evicting); then, under the eviction lease (so that no instance's round runs meanwhile;
-    after ``GC_LEASE_WAIT_S`` it goes on beside one, harmlessly), chunks are unlinked oldest
-    mtime first (retained chunks, whose mtime is in the future, last) until what the listing
-    found, less what is gone, is within ``max_bytes``; then dead instances' ledgers are folded
-    and the total is anchored to that count, which corrects any drift (crashed writers,
-    manual deletes). ``bytes_after`` is that count. Memory: 48 bytes per chunk in the pool.
+    evicting; ``SCAN_THREADS`` directories at once); then, under the eviction lease (so that no
+    instance's round runs meanwhile; after ``GC_LEASE_WAIT_S`` it goes on beside one,
+    harmlessly), chunks are unlinked oldest mtime first (retained chunks, whose mtime is in the
+    future, last) until what the listing found, less what is gone, is within ``max_bytes``;
+    then dead instances' ledgers are folded and the total is anchored to that count, which
+    corrects any drift (crashed writers, manual deletes). ``bytes_after`` is that count.
+    Memory: 48 bytes per chunk in the pool.
     """
     files = open_existing(path)
     removed_tmp = 0
@@ -262,11 +265,15 @@ def gc(path: str | os.PathLike[str], max_bytes: int, tmp_age_s: float = 3600.0) 
     locks = PoolLocks(files, TierMetrics("pool"))
     before = read_usage(files.root)
     mtimes, sizes, keys = array("d"), array("q"), bytearray()
-    for shard in files.shard_dirs():
-        for f in files.scan_shard(shard):
-            mtimes.append(f.mtime)
-            sizes.append(f.size)
-            keys += f.key
+    scanners = executor(SCAN_THREADS, "kvtier-gc-scan")  # listings are round trips on a network filesystem
+    try:
+        for _, found in listed(files, files.shard_dirs(), scanners):
+            for f in found:
+                mtimes.append(f.mtime)
+                sizes.append(f.size)
+                keys += f.key
+    finally:
+        scanners.shutdown(cancel_futures=True)
     total = sum(sizes)
     evicted = 0
     log = EvictionLog(files)

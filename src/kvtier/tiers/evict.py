@@ -38,21 +38,23 @@ once, in the ledger of whoever removed the file.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import os
 import random
-import stat
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.metrics import TierMetrics
-from kvtier.threads import thread
+from kvtier.threads import executor, thread
 from kvtier.tiers.base import ChangeJournal
+from kvtier.tiers.evictlog import EvictionLog
 from kvtier.tiers.files import ChunkFile, ChunkFiles
 from kvtier.tiers.ledger import Ledger, Usage, anchor, fold_dead, read_usage, remove_orphans
 from kvtier.tiers.poollock import Lease, PoolLocks
@@ -64,6 +66,8 @@ SAMPLE_FILES = 2048  # chunk files a round's sample sees (about 2% error on the 
 SLACK = 0.05  # the sampled cutoff aims at least this much further (see plan_cutoff)
 RESERVOIR = 4096  # kept chunks remembered by a pass, to place the next pass's cutoff
 MAX_PASSES = 4
+SCAN_THREADS = 8  # shard directories listed at once: on a network filesystem each listing and lstat is a round trip
+PARALLEL_ABOVE_S = 1e-4  # sweeps use the scan threads when the sample took longer than this per directory
 TICK_S = 10.0  # the evictor looks at the total this often (and whenever a writer sees it over)
 BUSY_RETRY_S = 1.0  # over budget, lease held elsewhere: look again this soon
 MIN_LOOK_S = 0.2  # looks (a sync each) at most this often, however often writers wake the thread
@@ -71,9 +75,7 @@ HEARTBEAT_S = 60.0  # an idle instance rewrites its ledger this often (ledger.ST
 FOLD_INTERVAL_S = 60.0
 RECOUNT_S = 3600.0  # a total older than this is recounted by the next round (drift, crashes)
 COUNT_RETRY_S = 600.0  # a count that left no sound total (a neighbour's nonsense) is retried this late
-EVICTION_LOG = ".evicted"
-EVICTION_LOG_MAX_BYTES = 8 << 20  # then it starts over (a reader behind by that much misses lines)
-LOG_BATCH = 256
+LOG_BATCH = 256  # evicted keys appended to the eviction log at once
 
 
 class Owner(Protocol):
@@ -97,35 +99,35 @@ class Owner(Protocol):
         ...
 
 
-class EvictionLog:
-    """``ROOT/.evicted``: the keys every evictor removed, one hex line each, for KV events."""
+def listed(files: ChunkFiles, order: Sequence[str], pool: cf.ThreadPoolExecutor | None,
+           ahead: int = 2 * SCAN_THREADS) -> Generator[tuple[str, list[ChunkFile]], None, None]:
+    """``(shard, its chunk files)`` for each of ``order``, in that order, listed on ``pool`` up
+    to ``ahead`` directories ahead (inline without a pool). Closing it early cancels what is
+    queued."""
+    if pool is None:
+        for shard in order:
+            yield shard, files.scan_shard(shard)
+        return
+    window: deque[tuple[str, cf.Future[list[ChunkFile]]]] = deque()
+    todo = iter(order)
+    try:
+        while True:
+            while len(window) < ahead:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                window.append((nxt, pool.submit(files.scan_shard, nxt)))
+            if not window:
+                return
+            shard, listing = window.popleft()
+            yield shard, listing.result()
+    finally:
+        for _, listing in window:
+            listing.cancel()
 
-    def __init__(self, files: ChunkFiles) -> None:
-        self.files = files
-        self.path = files.root / EVICTION_LOG
 
-    def append(self, keys: Sequence[bytes]) -> None:
-        """Append ``keys`` (start the log over past its size limit); never raises."""
-        if not keys:
-            return
-        try:
-            st = os.lstat(self.path)
-            if st.st_size > EVICTION_LOG_MAX_BYTES or not stat.S_ISREG(st.st_mode):
-                os.unlink(self.path)  # readers notice the new inode and read the new file from its start
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return
-        try:
-            # O_NONBLOCK: a FIFO planted between the lstat and the open fails (ENXIO), never blocks.
-            fd = self.files.create_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
-            try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.write(fd, b"".join(k.hex().encode() + b"\n" for k in keys))
-            finally:
-                os.close(fd)
-        except OSError:
-            pass  # the log only feeds KV events; an eviction never fails for it
+Doom = Callable[[ChunkFile], bool]  # which chunks of a directory a sweep unlinks
+Visit = tuple[list[ChunkFile], dict[int, bool | None]]  # a directory's chunk files, unlink outcomes by index
 
 
 @dataclass(frozen=True)
@@ -205,13 +207,15 @@ class Evictor:
     writers' work and writers never run rounds: they only ``wake`` it."""
 
     def __init__(self, owner: Owner, files: ChunkFiles, locks: PoolLocks, ledger: Ledger,
-                 journal: ChangeJournal, metrics: TierMetrics, sync_bytes: int) -> None:
+                 journal: ChangeJournal, metrics: TierMetrics, sync_bytes: int, log: EvictionLog) -> None:
         self._owner = weakref.ref(owner)  # the thread must not keep an unclosed tier alive
         self.files, self.locks, self.ledger = files, locks, ledger
         self.journal, self.metrics, self.sync_bytes = journal, metrics, sync_bytes
-        self.log = EvictionLog(files)
+        self.log = log
         self.last_round: RoundStats | None = None
         self._rng = random.Random()
+        self._scan_pool: cf.ThreadPoolExecutor | None = None
+        self._parallel = True
         self._round_mutex = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -252,6 +256,8 @@ class Evictor:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if self._scan_pool is not None:
+            self._scan_pool.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         self.thread_id = threading.get_ident()
@@ -329,45 +335,36 @@ class Evictor:
         with self._round_mutex, self.locks.lease(wait_s) as lease:
             if lease is Lease.BUSY:
                 return None
+            if self._scan_pool is None and SCAN_THREADS > 1:
+                self._scan_pool = executor(SCAN_THREADS, "kvtier-evict-scan")  # no device work: no init
             return self._round(target_bytes, count)
 
     def _round(self, target: int, count: bool) -> int:
         t0, now = time.perf_counter(), time.time()
         own = (self.ledger.id, self.ledger.added)  # first: a write in between counts as "since"
         before = read_usage(self.files.root)
-        order = self.files.shard_dirs()
+        order = self.files.shard_dirs(self._scan_pool)
         self._rng.shuffle(order)
-        first: dict[str, list[ChunkFile]] = {}
+        first: dict[str, list[ChunkFile]] = {}  # the sampled directories, not listed again
         sample: list[ChunkFile] = []
-        for shard in order:
-            if len(sample) >= SAMPLE_FILES:
-                break
-            found = self.files.scan_shard(shard)
+        listing = listed(self.files, order, self._scan_pool)
+        t_sample = time.perf_counter()
+        for shard, found in listing:
             first[shard] = found
             sample += found
+            if len(sample) >= SAMPLE_FILES:
+                break
+        listing.close()
+        # A local disk answers in microseconds: threads would only add their overhead there.
+        self._parallel = (time.perf_counter() - t_sample) / max(1, len(first)) > PARALLEL_ABOVE_S
         exact = len(first) == len(order)
-        sampled = sum(f.size for f in sample)
-        estimate = sampled if exact else sampled * len(order) // max(1, len(first))
-        owner = self._owner()
-        known = owner.known_total() if owner is not None else before.total
-        if owner is not None:
-            owner.note_estimate(estimate)
-        del owner
-        if exact:
-            total = estimate
-        elif known is None or abs(known - estimate) > max(0.25, 3 / math.sqrt(max(1, len(sample)))) * estimate:
-            total = estimate  # no sound total, or drift: count the pool and anchor
-            count = count or self._may_count()
-        else:
-            total = known
-        self.metrics.set(chunks=len(sample) if exact else len(sample) * len(order) // max(1, len(first)))
+        total, count = self._total(sample, len(first), len(order), exact, before, count)
         evicted = freed = seen = visited = passes = 0
         anchored, retained = False, exact
         while passes < MAX_PASSES and (total > target or count):
             passes += 1
             chosen = plan(sample, total - target, total, now, exact=exact, retained=retained)
             sweep = self._sweep(order, first, chosen, total - target, visit_all=exact or count)
-            first = {}
             evicted, freed = evicted + sweep.evicted, freed + sweep.freed
             seen, visited = seen + sweep.seen, visited + sweep.visited
             if not sweep.complete:
@@ -383,7 +380,7 @@ class Evictor:
             own = (self.ledger.id, self.ledger.added)
             before = read_usage(self.files.root)
             retained = retained or chosen.all_unretained  # every unretained chunk it met is gone
-            sample, exact = sweep.reservoir, len(sweep.reservoir) == sweep.kept_chunks
+            sample, exact, first = sweep.reservoir, len(sweep.reservoir) == sweep.kept_chunks, {}
             self._rng.shuffle(order)
         self._write_ledger()
         owner = self._owner()
@@ -397,30 +394,59 @@ class Evictor:
                                      time.perf_counter() - t0)
         return evicted
 
+    def _total(self, sample: list[ChunkFile], sampled_dirs: int, dirs: int, exact: bool, before: Usage,
+               count: bool) -> tuple[int, bool]:
+        """The total a round works from, and whether it must count the pool: the sample itself
+        when it is the whole pool; else the accounted total, unless there is none or it differs
+        from the sample's estimate by more than the sample's error (then the estimate, and a
+        count when one is allowed)."""
+        sampled = sum(f.size for f in sample)
+        estimate = sampled if exact else sampled * dirs // max(1, sampled_dirs)
+        self.metrics.set(chunks=len(sample) if exact else len(sample) * dirs // max(1, sampled_dirs))
+        owner = self._owner()
+        known = owner.known_total() if owner is not None else before.total
+        if owner is not None:
+            owner.note_estimate(estimate)
+        if exact:
+            return estimate, count
+        if known is None or abs(known - estimate) > max(0.25, 3 / math.sqrt(max(1, len(sample)))) * estimate:
+            return estimate, count or self._may_count()
+        return known, count
+
     def _sweep(self, order: list[str], first: dict[str, list[ChunkFile]], chosen: Plan, need: int, *,
                visit_all: bool) -> Sweep:
-        """Visit ``order`` unlinking the plan's victims (all of them), or else chunks older than
-        its cutoff until ``need`` bytes are freed (then stop, or only count on when ``visit_all``)."""
+        """Visit ``order`` (the directories in ``first`` already listed) unlinking the plan's
+        victims (all of them), or else chunks older than its cutoff until ``need`` bytes are
+        freed (then stop, or only count on when ``visit_all``). Listings and unlinks run on the
+        scan threads, a few directories ahead (so a sweep may free a few directories' worth
+        more than ``need``); what they did is accounted here, in order."""
         out = Sweep()
-        cutoff, victims = chosen.cutoff, chosen.victims
+        victims, cutoff = chosen.victims, chosen.cutoff
+        doom: Doom = (lambda f: os.fspath(f.path) in victims) if victims is not None else (lambda f: f.mtime < cutoff)
         keys: list[bytes] = []
         unwritten = 0
-        for shard in order:
+
+        def next_task(shard: str) -> tuple[bool, Doom | None]:
             if self._stop.is_set():
-                break
-            found = first[shard] if shard in first else self.files.scan_shard(shard)
+                return False, None
+            if victims is None and out.freed >= need:
+                return visit_all, None  # freed enough: stop, or only count on
+            return True, doom
+
+        for found, outcomes in self._visits(order, first, next_task):
             out.visited += 1
-            unlinking = victims is not None or out.freed < need
-            for f in found:
+            for i, f in enumerate(found):
                 out.seen += 1
-                if unlinking and (os.fspath(f.path) in victims if victims is not None else f.mtime < cutoff):
-                    gone = self._unlink(f)
-                    if gone:
-                        out.evicted, out.freed, unwritten = out.evicted + 1, out.freed + f.size, unwritten + f.size
-                        keys.append(f.key)
-                        continue
-                    if gone is False:
-                        continue  # someone else removed it: neither freed by us nor kept
+                gone = outcomes.get(i)
+                if gone:
+                    out.evicted, out.freed, unwritten = out.evicted + 1, out.freed + f.size, unwritten + f.size
+                    keys.append(f.key)
+                    self.ledger.remove(f.size)
+                    self.journal.record(False, f.key)
+                    self.metrics.add(evictions=1, evicted_bytes=f.size)
+                    continue
+                if gone is False:
+                    continue  # someone else removed it: neither freed by us nor kept
                 out.kept_bytes += f.size
                 out.kept_chunks += 1
                 if len(out.reservoir) < RESERVOIR:
@@ -435,15 +461,46 @@ class Evictor:
             if unwritten >= self.sync_bytes:
                 self._write_ledger()  # a crash mid-round leaves at most sync_bytes of removals unwritten
                 unwritten = 0
-            if not visit_all and out.freed >= need:
-                break
-        else:
-            out.complete = True
+        out.complete = out.visited == len(order) and not self._stop.is_set()
         self.log.append(keys)
         return out
 
+    def _visits(self, order: list[str], first: dict[str, list[ChunkFile]],
+                next_task: Callable[[str], tuple[bool, Doom | None]]) -> Iterator[Visit]:
+        """``_visit`` of each of ``order`` in turn, up to ``2 x SCAN_THREADS`` directories ahead
+        on the scan threads; ``next_task(shard)`` gives (go on?, what to unlink there). When it
+        says stop, what is in flight is still yielded: every unlink made is accounted for."""
+        window: deque[cf.Future[Visit]] = deque()
+        todo = iter(order)
+        submitting = True
+        while True:
+            while submitting and len(window) < 2 * SCAN_THREADS:
+                shard = next(todo, None)
+                go, doom = next_task(shard) if shard is not None else (False, None)
+                if shard is None or not go:
+                    submitting = False
+                    break
+                if self._scan_pool is not None and self._parallel:
+                    window.append(self._scan_pool.submit(self._visit, shard, first.get(shard), doom))
+                else:
+                    done: cf.Future[Visit] = cf.Future()
+                    done.set_result(self._visit(shard, first.get(shard), doom))
+                    window.append(done)
+            if not window:
+                return
+            yield window.popleft().result()
+
+    def _visit(self, shard: str, found: list[ChunkFile] | None, doom: Doom | None) -> Visit:
+        """List ``shard`` (unless ``found``) and unlink what ``doom`` picks: its chunk files, and
+        the outcome of each unlink by index (see ``_unlink``). Runs on a scan thread."""
+        if found is None:
+            found = self.files.scan_shard(shard)
+        outcomes = {i: self._unlink(f) for i, f in enumerate(found) if doom is not None and doom(f)}
+        return found, outcomes
+
     def _unlink(self, f: ChunkFile) -> bool | None:
-        """True: removed (counted); False: already gone; None: cannot be removed (kept)."""
+        """True: removed; False: already gone (someone else's eviction); None: cannot be removed
+        (kept). Counted by the caller."""
         try:
             os.unlink(f.path)
         except FileNotFoundError:
@@ -453,9 +510,6 @@ class Evictor:
                 self._unlink_warned = True
                 log.warning("kvtier: cannot evict %s (%s); such chunks stay in the pool", f.path, exc)
             return None
-        self.ledger.remove(f.size)
-        self.journal.record(False, f.key)
-        self.metrics.add(evictions=1, evicted_bytes=f.size)
         return True
 
     def _write_ledger(self) -> None:

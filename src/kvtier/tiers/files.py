@@ -451,12 +451,15 @@ class ChunkFiles:
         for shard in self.shard_dirs():
             yield from self.scan_shard(shard)
 
-    def shard_dirs(self) -> list[str]:
+    def shard_dirs(self, pool: cf.Executor | None = None) -> list[str]:
         """The shard directories ``"ab/cd"`` that exist now, in name order: one listing of ROOT
-        and one of each ``ab``, however many chunks they hold (at most 257 listings). Only
-        lowercase hex names that are real directories (not symlinks) count."""
-        return [f"{ab}/{cd}" for ab in _subdir_names(self._root_str)
-                for cd in _subdir_names(f"{self._root_str}/{ab}")]
+        and one of each ``ab`` (on ``pool``'s threads when given: round trips on a network
+        filesystem), however many chunks they hold (at most 257 listings). Only lowercase hex
+        names that are real directories (not symlinks) count."""
+        tops = _subdir_names(self._root_str)
+        paths = [f"{self._root_str}/{ab}" for ab in tops]
+        subs = pool.map(_subdir_names, paths) if pool is not None else map(_subdir_names, paths)
+        return [f"{ab}/{cd}" for ab, cds in zip(tops, subs, strict=True) for cd in cds]
 
     def scan_shard(self, shard: str) -> list[ChunkFile]:
         """The published chunk files of one shard directory ``"ab/cd"`` (see ``scan``): one

@@ -9,17 +9,19 @@
 The pool's total is ``base + sum(added - removed)`` over the ledgers. An instance accounts for
 its writes and evictions by rewriting its own ledger (``fileio.write_atomic``) without any
 lock, so no writer ever waits on another. ``ROOT/.lock`` guards the base alone, and is held
-only for a bounded number of small-file operations:
+only to read it and write it back (one small read, one atomic rewrite), by two kinds of commit:
 
 * **fold** (``fold_dead``): the ledger of an instance that is gone (its liveness lock is free
   and it closed, or its heartbeat is older than ``STALE_S``) moves into the base, at most
-  ``FOLD_BATCH`` per hold. The base remembers the ledgers it folded lately (id and counts), so
-  a folder that dies between writing the base and unlinking the ledgers never folds one twice,
-  and an instance folded while alive (stalled past ``STALE_S``, and its lock file replaced by
-  someone) goes on under a new id with only what the fold did not take.
+  ``FOLD_BATCH`` per commit (their ledgers read and liveness locks taken before the lock). The
+  base remembers the ledgers it folded lately (id and counts), so a reader that meets one of
+  them still on disk leaves it out, a folder that dies before unlinking them never folds one
+  twice, and an instance folded while alive (stalled past ``STALE_S``, and its lock file
+  replaced by someone) goes on under a new id with only what the fold did not take.
 * **anchor** (``anchor``): a pass that visited every shard directory (an eviction round, the
-  first count of a pool, ``kvtier pool gc``) makes what it counted the total: read the base
-  and the ledgers, write one base. Ledgers are never rewritten by anyone but their owner.
+  first count of a pool, ``kvtier pool gc``) makes what it counted the total: the ledgers read
+  before the lock (again under it only if a fold came in between), one base written. Ledgers
+  are never rewritten by anyone but their owner.
 
 Errors lean toward counting too much, which only makes eviction start a little early:
 
@@ -364,57 +366,63 @@ def _ensure_dir(files: ChunkFiles, folder: Path) -> bool:
 
 
 def fold_dead(files: ChunkFiles, locks: PoolLocks, candidates: Sequence[str], now: float | None = None) -> list[str]:
-    """Fold up to ``FOLD_BATCH`` of ``candidates`` whose instance is gone into the base, in one
-    hold of ``ROOT/.lock`` (a few small files per ledger); returns the ids folded. Nothing is
-    folded without the lock (two unlocked folders could each drop the other's fold), nor
-    while there is no base (the next anchor accounts for every ledger)."""
+    """Fold up to ``FOLD_BATCH`` of ``candidates`` whose instance is gone into the base; returns
+    the ids folded. Their ledgers are read and their liveness locks taken first; ``ROOT/.lock``
+    is held only to read and rewrite the base. Nothing is folded without that lock (two unlocked
+    folders could each drop the other's fold), nor while there is no base (the next anchor
+    accounts for every ledger). Ledgers the base already holds (a folder died before unlinking
+    them) are removed, not added again."""
     now = time.time() if now is None else now
     folder = files.root / LEDGER_DIR
-    with locks.shared() as locked:
-        if not locked:
+    ready: list[tuple[str, Entry, int]] = []  # a dead instance's ledger, and its liveness lock (held)
+    try:
+        for ident in list(candidates)[:FOLD_BATCH]:
+            try:
+                entry = read_entry(folder / f"{ident}.json")
+            except OSError:
+                continue
+            if entry is None or not (entry.closed or now - entry.heartbeat > STALE_S):
+                continue
+            fd = locks.owner_gone(folder / f"{ident}.lock")
+            if fd is not None:  # else alive (or a lock file we cannot use: left alone)
+                ready.append((ident, entry, fd))
+        if not ready:
             return []
-        try:
-            base = read_base(files.root)
-        except OSError:
-            return []
-        if base is None:
-            return []
-        total, added, removed, folds = base.bytes, base.folded_added, base.folded_removed, list(base.folds)
-        folded_ids = {f[0] for f in folds}
-        done, fresh, held = [], [], []
-        try:
-            for ident in list(candidates)[:FOLD_BATCH]:
-                if ident in folded_ids:  # in the base already: a folder died before unlinking it
-                    done.append(ident)
-                    continue
-                try:
-                    entry = read_entry(folder / f"{ident}.json")
-                except OSError:
-                    continue
-                if entry is None or not (entry.closed or now - entry.heartbeat > STALE_S):
-                    continue
-                fd = locks.owner_gone(folder / f"{ident}.lock")
-                if fd is None:
-                    continue  # alive (or a lock file we cannot use: left alone)
-                if fd >= 0:
-                    held.append(fd)
-                total += entry.added - entry.removed
-                added, removed = added + entry.added, removed + entry.removed
-                folds.append((ident, entry.added, entry.removed))
-                fresh.append(ident)
-                done.append(ident)
+        fresh = []
+        with locks.shared() as locked:
+            if not locked:
+                return []
+            try:
+                base = read_base(files.root)
+            except OSError:
+                return []
+            if base is None:
+                return []
+            total, added, removed, folds = base.bytes, base.folded_added, base.folded_removed, list(base.folds)
+            folded_ids = {f[0] for f in folds}
+            for ident, entry, _ in ready:
+                if ident not in folded_ids:
+                    total += entry.added - entry.removed
+                    added, removed = added + entry.added, removed + entry.removed
+                    folds.append((ident, entry.added, entry.removed))
+                    fresh.append(ident)
             if fresh:
-                write_base(files, Base(total, base.anchored_at, added, removed, tuple(folds[-MAX_FOLDS_KEPT:])))
-            for ident in done:
-                for suffix in (".json", ".lock"):
-                    try:
-                        os.unlink(folder / f"{ident}{suffix}")
-                    except OSError:
-                        pass
-        finally:
-            for fd in held:
+                try:
+                    write_base(files, Base(total, base.anchored_at, added, removed, tuple(folds[-MAX_FOLDS_KEPT:])))
+                except OSError:
+                    return []
+        # Unlocked: a reader that still sees one of these ledgers leaves it out (the base lists it).
+        for ident, _, _ in ready:
+            for suffix in (".json", ".lock"):
+                try:
+                    os.unlink(folder / f"{ident}{suffix}")
+                except OSError:
+                    pass
+        return fresh
+    finally:
+        for _, _, fd in ready:
+            if fd >= 0:
                 os.close(fd)
-    return fresh
 
 
 def remove_orphans(files: ChunkFiles, now: float | None = None) -> int:
@@ -444,9 +452,10 @@ def remove_orphans(files: ChunkFiles, now: float | None = None) -> int:
 def anchor(files: ChunkFiles, locks: PoolLocks, counted_bytes: int, before: Usage,
            own: tuple[str, int] | None = None) -> int | None:
     """Make ``counted_bytes`` the pool's total: what a pass over every shard directory, begun
-    after ``before`` was read, found there (less what it unlinked itself). One hold of
-    ``ROOT/.lock``: read the base and the ledgers, write the base. Returns the new total, or
-    None when a ledger or the base could not be read right now (no anchor then).
+    after ``before`` was read, found there (less what it unlinked itself). The ledgers are read
+    first; ``ROOT/.lock`` is held to read and rewrite the base (and, only if a fold came in
+    between, to read the ledgers again). Returns the new total, or None when a ledger or the
+    base could not be read right now (no anchor then).
 
     Bytes added since ``before`` (by live ledgers, and by ledgers folded meanwhile) are added
     on top, as the pass may have missed them; removals since ``before`` are not subtracted
@@ -454,13 +463,19 @@ def anchor(files: ChunkFiles, locks: PoolLocks, counted_bytes: int, before: Usag
     was read (its writes not yet in its ledger then are not "since"). The caller has written
     its own ledger and holds the eviction lease, so no removal it or another evictor made
     before the pass ended is still unwritten."""
+    try:
+        early, ledgers = read_base(files.root), read_ledgers(files.root)
+    except OSError:
+        return None  # no anchor on a partial read: the next one will do
     with locks.shared():  # unlocked: the last anchor wins, which is as good as any
-        try:  # no anchor on a partial read: the next one will do
+        try:
             base = read_base(files.root)
-            folded = {f[0] for f in base.folds} if base is not None else set()
-            ledgers = {i: e for i, e in read_ledgers(files.root).items() if i not in folded}
+            if (base.folds if base else None) != (early.folds if early else None):
+                ledgers = read_ledgers(files.root)  # a fold came in between
         except OSError:
             return None
+        folded = {f[0] for f in base.folds} if base is not None else set()
+        ledgers = {i: e for i, e in ledgers.items() if i not in folded}
         start = {i: e.added for i, e in before.ledgers.items()}
         if own is not None:
             start[own[0]] = own[1]

@@ -66,23 +66,23 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import TierUnavailableError
-from kvtier.fileio import read_small
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase
-from kvtier.tiers.evict import EVICTION_LOG, HEARTBEAT_S, LOW_WATERMARK, Evictor
+from kvtier.tiers.evict import HEARTBEAT_S, LOW_WATERMARK, Evictor
+from kvtier.tiers.evictlog import EVICTION_READ_MAX_BYTES, EvictionLog
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.ledger import Ledger, Usage, read_usage
 from kvtier.tiers.poollock import PoolLocks
 
 TOUCH_INTERVAL_S = 60.0
-EVICTION_READ_MAX_BYTES = 1 << 20  # read per read_evictions call: a longer backlog is read over several
 CAP_MARGIN = 16  # the cap is budget + max(budget // CAP_MARGIN, sync_bytes)
 REFRESH_S = 1.0  # over the cap, a writer reads the total again at most this often before refusing
 LEASE_WAIT_S = 10.0  # an explicit evict() waits this long for another evictor's round
 SYNC_FAILED = "budget sync failed"
-__all__ = ["LOW_WATERMARK", "PoolTier", "cap_bytes", "default_sync_bytes", "overshoot_bound", "parse_pool_url"]
+__all__ = ["EVICTION_READ_MAX_BYTES", "LOW_WATERMARK", "PoolTier", "cap_bytes", "default_sync_bytes",
+           "overshoot_bound", "parse_pool_url"]
 
 
 def default_sync_bytes(capacity_bytes: int | None) -> int:
@@ -150,8 +150,9 @@ class PoolTier(TierBase):
         self._estimate: int | None = None  # a sample's estimate, while the total is unknown
         self._read_at = -float("inf")  # time.monotonic() of the last read
         self._inflight = 0  # bytes admitted and not yet published (or given up)
-        self._log_pos: tuple[int, int] | None = None  # (inode, offset) read so far in ROOT/.evicted
-        self.evictor = Evictor(self, self.files, self.locks, self.ledger, self.journal, self.metrics, sync_bytes)
+        self.eviction_log = EvictionLog(self.files)
+        self.evictor = Evictor(self, self.files, self.locks, self.ledger, self.journal, self.metrics, sync_bytes,
+                               self.eviction_log)
         if capacity_bytes is not None:
             self.evictor.start()
 
@@ -207,28 +208,7 @@ class PoolTier(TierBase):
     def read_evictions(self) -> list[bytes]:
         """Keys evicted from the pool (by anyone) since the last call; the first call starts
         at the log's end."""
-        path = self.files.root / EVICTION_LOG
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            if self._log_pos is None or self._log_pos[0] != st.st_ino or self._log_pos[1] > st.st_size:
-                start = st.st_size if self._log_pos is None else 0  # new: from the end; rotated: all
-            else:
-                start = self._log_pos[1]
-            data, st = read_small(path, EVICTION_READ_MAX_BYTES, start)
-        except FileNotFoundError:
-            self._log_pos = (0, 0)
-            return []
-        except OSError:  # a symlink, FIFO or device planted there: never followed, never waited on
-            return []
-        end = data.rfind(b"\n") + 1  # a line being appended is read next time
-        self._log_pos = (st.st_ino, start + end)
-        keys = []
-        for line in data[:end].split():
-            try:
-                keys.append(bytes.fromhex(line.decode()))
-            except ValueError:
-                continue
-        return keys
+        return self.eviction_log.read_new()
 
     def close(self) -> None:
         """Stop the evictor (a round in progress stops at its next directory) and write the
