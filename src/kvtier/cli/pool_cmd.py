@@ -32,8 +32,9 @@ def add_parser(sub: Any) -> None:
     stats = pool_sub.add_parser("stats", help="chunks, bytes, namespaces and age")
     verify = pool_sub.add_parser("verify", help="check every chunk's header, size, checksum and key")
     verify.add_argument("--fix", action="store_true", help="remove the chunks that fail")
-    gc = pool_sub.add_parser("gc", help="evict least recently used chunks down to --max-bytes; "
-                                        "remove stale temp files")
+    gc = pool_sub.add_parser("gc", help="evict least recently used chunks down to --max-bytes exactly "
+                                        "(retained ones last; the listing holds no lock), remove stale temp "
+                                        "files, and re-count the pool's bytes for every instance")
     gc.add_argument("--max-bytes", type=byte_size, required=True, help="budget, e.g. 500GiB")
     gc.add_argument("--tmp-age", type=float, default=3600.0,
                     help="remove temp files older than this many seconds (default 3600)")

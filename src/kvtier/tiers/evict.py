@@ -67,7 +67,8 @@ SLACK = 0.05  # the sampled cutoff aims at least this much further (see plan_cut
 RESERVOIR = 4096  # kept chunks remembered by a pass, to place the next pass's cutoff
 MAX_PASSES = 4
 SCAN_THREADS = 8  # shard directories listed at once: on a network filesystem each listing and lstat is a round trip
-PARALLEL_ABOVE_S = 1e-4  # sweeps use the scan threads when the sample took longer than this per directory
+PARALLEL_ABOVE_S = 5e-4  # a round lists on the scan threads when a directory takes longer than this
+PROBE_DIRS = 16  # listed one by one at a round's start, to tell a local disk from a network filesystem
 TICK_S = 10.0  # the evictor looks at the total this often (and whenever a writer sees it over)
 BUSY_RETRY_S = 1.0  # over budget, lease held elsewhere: look again this soon
 MIN_LOOK_S = 0.2  # looks (a sync each) at most this often, however often writers wake the thread
@@ -343,20 +344,23 @@ class Evictor:
         t0, now = time.perf_counter(), time.time()
         own = (self.ledger.id, self.ledger.added)  # first: a write in between counts as "since"
         before = read_usage(self.files.root)
-        order = self.files.shard_dirs(self._scan_pool)
+        order = self.files.shard_dirs(self._scan_pool if self._parallel else None)
         self._rng.shuffle(order)
         first: dict[str, list[ChunkFile]] = {}  # the sampled directories, not listed again
         sample: list[ChunkFile] = []
-        listing = listed(self.files, order, self._scan_pool)
-        t_sample = time.perf_counter()
-        for shard, found in listing:
+        t_probe = time.perf_counter()
+        for shard in order[:PROBE_DIRS]:
+            found = first[shard] = self.files.scan_shard(shard)
+            sample += found
+        # A local disk answers in tens of microseconds: threads would only add their overhead.
+        self._parallel = (time.perf_counter() - t_probe) / max(1, len(first)) > PARALLEL_ABOVE_S
+        listing = listed(self.files, order[len(first):], self._scan_pool if self._parallel else None)
+        for shard, found in listing if len(sample) < SAMPLE_FILES else ():
             first[shard] = found
             sample += found
             if len(sample) >= SAMPLE_FILES:
                 break
         listing.close()
-        # A local disk answers in microseconds: threads would only add their overhead there.
-        self._parallel = (time.perf_counter() - t_sample) / max(1, len(first)) > PARALLEL_ABOVE_S
         exact = len(first) == len(order)
         total, count = self._total(sample, len(first), len(order), exact, before, count)
         evicted = freed = seen = visited = passes = 0
