@@ -13,6 +13,11 @@ that finds it held skips the round) and no other lock while it works:
 3. **sweep**: it visits the directories in the same order (the sampled ones from memory) and
    unlinks every chunk older than the cutoff, until it freed what it must.
 
+On a network filesystem every listing, ``lstat`` and unlink is a round trip: when the first
+``PROBE_DIRS`` directories take over ``PARALLEL_ABOVE_S`` each, the round lists and unlinks on
+``SCAN_THREADS`` threads, a few directories ahead, and accounts the outcomes in order in its
+own thread (on a local disk threads only add overhead: it stays serial).
+
 mtime is the LRU clock (a hit refreshes it at most once a minute). A global cutoff keeps the
 files of one logical chunk (head shards written together, with near-equal mtimes) together:
 whichever directories they are in, they are on the same side of it. A sweep visits about

@@ -18,9 +18,9 @@ scan of the pool under a lock:
   non-blocking lease, ``ROOT/.evict.lock``): an approximate LRU (oldest mtime first; a hit
   refreshes mtime at most once a minute) sampled per shard directory, down to 0.9 of the
   budget, whose cost per evicted chunk does not grow with the pool.
-* ``ROOT/.lock`` is held only to commit the base: folding at most 8 dead instances' ledgers,
-  or re-anchoring the total after a pass that counted the whole pool (reading the ledgers,
-  writing the base). A bounded handful of small-file operations, never a listing of chunks.
+* ``ROOT/.lock`` is held only to read and rewrite the base (one small read, one atomic
+  replace): when folding up to 8 dead instances' ledgers, or re-anchoring the total after a
+  pass that counted the whole pool (the ledgers are read before it). Never over a listing.
 
 **Overshoot bound.** A writer publishes a chunk only while the total it last read plus what it
 added since stays within the cap, ``budget + max(budget // 16, sync_bytes)``; past it the

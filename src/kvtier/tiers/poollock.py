@@ -2,8 +2,8 @@
 
 * ``ROOT/.lock``: the fleet-wide lock (``flock``; Linux NFS clients map it to NFS locks,
   GlusterFS's FUSE client to the volume's lock translator). Only accounting commits take it
-  (``tiers/ledger.py``: folding a dead instance's ledger, re-anchoring the total): a bounded
-  number of small-file reads and writes, never a listing of shard directories. Blocking.
+  (``tiers/ledger.py``: folding dead instances' ledgers, re-anchoring the total), to read and
+  rewrite the base: two small-file operations, never a listing. Blocking.
 * ``ROOT/.evict.lock``: the eviction lease. One evictor in the fleet at a time holds it for a
   whole round (``tiers/evict.py``); everyone else tries without blocking and skips the round.
 * ``ROOT/.usage.d/<instance>.lock``: each instance holds its own shared for as long as it
