@@ -36,6 +36,7 @@ from kvtier.fileio import TMP_SUFFIX
 from kvtier.format import ChunkFault
 from kvtier.keys import FORMAT_VERSION
 from kvtier.layout import DTYPES_BY_CODE
+from kvtier.tiers.ledger import read_usage
 
 SKEW_WARN_S = 5.0
 UNREADABLE = "unreadable"  # sampled files this user may not read (their namespace is unknown)
@@ -73,6 +74,9 @@ class DoctorReport:
     sampled_files: int = 0
     sampled_dirs: int = 0
     estimated_bytes: int = 0
+    """The pool's bytes as the sample suggests (exact when ``complete_scan``)."""
+    accounted_bytes: int | None = None
+    """The pool's bytes as its instances account them (base plus ledgers); None before the first count."""
     complete_scan: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,11 +190,15 @@ def diagnose(path: str | os.PathLike[str], settings: Mapping[str, Any] | None = 
         report.findings.append(Finding("retention", "warn" if share > 0.5 else "ok",
                                        f"{share:.0%} of the sampled bytes are retained (mtime in the future): "
                                        "they are evicted only after every unretained chunk"))
+    accounted = read_usage(root).total  # the instances' own accounting (tiers/ledger.py), when anchored
+    report.accounted_bytes = accounted
     if pool_bytes is not None:
-        over = report.estimated_bytes > pool_bytes
+        size = accounted if accounted is not None else report.estimated_bytes
+        how = "as the instances account it" if accounted is not None else \
+            "counted" if complete else "estimated from the sample"
+        over = size > pool_bytes
         report.findings.append(Finding("budget", "warn" if over else "ok",
-                                       f"about {report.estimated_bytes / 2**30:.2f} GiB in the pool "
-                                       f"({'counted' if complete else 'estimated from the sample'}), budget "
+                                       f"{size / 2**30:.2f} GiB in the pool ({how}), budget "
                                        f"{pool_bytes / 2**30:.2f} GiB" + (": over it (evictions run; kvtier pool "
                                                                           "gc enforces it exactly)" if over else "")))
     report.would_hit = bool(report.stated) and all(f.status != "fail" for f in report.findings)
