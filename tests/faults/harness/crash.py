@@ -52,7 +52,7 @@ SPEC = ChunkSpec(NAMESPACE.digest, DTYPE_CODES[LAYOUT.dtype], LAYOUT.shape(CHUNK
                  CHUNK_TOKENS * LAYOUT.bytes_per_token)
 KILL_AFTER_S = (0.002, 0.030)
 SEQ_BITS = 20  # seed = writer << SEQ_BITS | sequence number
-# The budget sync (flock + .usage rewrite) runs every few chunks, so kills land there too.
+# The budget sync (this writer's ledger rewritten, the others' read) runs every few chunks, so kills land there too.
 SYNC_BYTES = 4 << 20
 
 _RECORD = struct.Struct("<q")
@@ -279,7 +279,7 @@ def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: boo
     gc = admin.gc(pool, max_bytes=1 << 62, tmp_age_s=0)
     temps_after = sum(1 for _ in files.temp_files())
     cli_rc, cli_report = _cli_verify(pool) if cli else (0, {})
-    usage_after = PoolTier(pool, None).sync()  # the shared lock and .usage survived the kills
+    usage_after = PoolTier(pool, None).sync()  # the locks and the accounting files survived the kills
 
     sound = not (wrong or lost or crashes or report.bad or temps_after or cli_rc)
     if sound and not keep:
