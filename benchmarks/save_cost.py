@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
 import shutil
 import statistics
 import sys
@@ -33,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.client import LoadClient, Session, Target, Turn
-from kvtier.bench.engines import Process, free_port
+from kvtier.bench.engines import Process, free_port, group_pids
 from kvtier.bench.model import ensure_model
+from kvtier.bench.procstat import proc_cpu
 from kvtier.bench.suite import SuiteSpec, engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
 
@@ -61,8 +64,30 @@ def sessions(text: TextMaker, n: int, tokens: int, seed: int) -> list[Session]:
     return [Session(seed * 1000 + i, "", [Turn(text.words(rng, tokens), 8)]) for i in range(n)]
 
 
-def measure(variant: str, model: Path, work: Path, text: TextMaker, args: argparse.Namespace, seed: int) -> list[float]:
-    """Start ``variant`` fresh, warm it up, send ``args.prompts`` new prompts; their TTFTs."""
+def thread_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every thread of the server's process group, summed by
+    thread name (``kvtier-writer-0`` -> ``kvtier-writer``: a pool's threads count together)."""
+    out: dict[str, float] = {}
+    for pid in group_pids(pgid):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                _, seconds = proc_cpu(pid, int(tid))
+            except OSError:
+                continue
+            group = re.sub(r"[_-]\d+$", "", name) if name.startswith("kvtier") else "engine"
+            out[group] = out.get(group, 0.0) + seconds
+    return out
+
+
+def measure(variant: str, model: Path, work: Path, text: TextMaker, args: argparse.Namespace,
+            seed: int) -> tuple[list[float], dict[str, float]]:
+    """Start ``variant`` fresh, warm it up, send ``args.prompts`` new prompts; their TTFTs and the
+    CPU seconds each group of the server's threads spent meanwhile."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     port = free_port()
@@ -76,13 +101,17 @@ def measure(variant: str, model: Path, work: Path, text: TextMaker, args: argpar
     try:
         client = LoadClient([Target(f"http://127.0.0.1:{port}", "bench")])
         asyncio.run(client.run(sessions(text, 1, args.tokens, seed + 500), range(1), 1))  # warm-up
+        assert proc.proc is not None
+        before = thread_cpu(proc.proc.pid)
         records = asyncio.run(client.run(sessions(text, args.prompts, args.tokens, seed), range(1), args.concurrency))
+        after = thread_cpu(proc.proc.pid)
     finally:
         proc.stop()
     bad = [r["error"] for r in records if r["error"]]
     if bad:
         raise RuntimeError(f"{variant}: {bad[0]}")
-    return [float(r["ttft_s"]) for r in records]
+    cpu = {k: round(after[k] - before.get(k, 0.0), 3) for k in after if after[k] - before.get(k, 0.0) > 0}
+    return [float(r["ttft_s"]) for r in records], cpu
 
 
 def main() -> int:
@@ -100,22 +129,29 @@ def main() -> int:
     model = ensure_model(args.out / "model")
     text = TextMaker(model)
     results: dict[str, list[list[float]]] = {v: [] for v in variants}
+    cpu: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for v in order:
             t0 = time.perf_counter()
-            ttfts = measure(v, model, args.out / "work" / v, text, args, seed=100 * rep + VARIANTS.index(v) + 1)
+            ttfts, used = measure(v, model, args.out / "work" / v, text, args, seed=100 * rep + VARIANTS.index(v) + 1)
             results[v].append(ttfts)
-            print(f"repeat {rep + 1} {v}: mean TTFT {statistics.mean(ttfts):.3f} s ({time.perf_counter() - t0:.0f} s)",
+            cpu[v].append(used)
+            kv = sum(s for k, s in used.items() if k != "engine")
+            print(f"repeat {rep + 1} {v}: mean TTFT {statistics.mean(ttfts):.3f} s, CPU engine "
+                  f"{used.get('engine', 0):.2f} s, kvtier threads {kv:.2f} s ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr)
     means = {v: [statistics.mean(t) for t in results[v]] for v in variants}
     out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "ttft_s": results, "mean_ttft_s": means,
-                           "median_of_means_s": {v: statistics.median(m) for v, m in means.items()}}
+                           "median_of_means_s": {v: statistics.median(m) for v, m in means.items()},
+                           "cpu_s": cpu,
+                           "median_cpu_s": {v: {k: statistics.median(c.get(k, 0.0) for c in cpu[v])
+                                                for k in sorted({k for c in cpu[v] for k in c})} for v in variants}}
     if "plain" in variants:
         out["vs_plain"] = {v: statistics.median(m / p for m, p in zip(means[v], means["plain"], strict=True))
                            for v in variants}
     (args.out / "results.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("median_of_means_s", "vs_plain") if k in out}, indent=2))
+    print(json.dumps({k: out[k] for k in ("median_of_means_s", "vs_plain", "median_cpu_s") if k in out}, indent=2))
     return 0
 
 
