@@ -16,7 +16,6 @@ never``; see test_vllm_connector.py), compared with the near-tie rule of ``_runs
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -53,8 +52,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _pool_files(pool: Path) -> int:
-    return len(list(pool.glob("??/??/*.kvt")))
+def _pool_files(pool: Path, settled: bool = True) -> int:
+    """Chunks in the pool: each is one file per KV head (head shards). ``settled``: no write is
+    in flight (the engine has stopped), so every chunk has all its heads' files."""
+    from kvtier.bench.model import KV_HEADS
+
+    files = len(list(pool.glob("??/??/*.kvt")))
+    assert not settled or files % KV_HEADS == 0, files
+    return files // KV_HEADS
 
 
 def test_a_sync_load_that_falls_short_never_poisons_the_pool(model: Path, tmp_path: Path) -> None:
@@ -153,14 +158,14 @@ def test_a_hostile_client_and_config_secrets_against_a_real_kvtier_serve(model: 
         hostile = [1e20, -1, "forever", [1], 1e308]
         for i, value in enumerate(hostile):
             complete(_prompts(1, 2 * CHUNK + 5, seed=100 + i)[0], kv_transfer_params={"kvtier": {"retain_s": value}})
-        before = _pool_files(pool)
+        before = _pool_files(pool, settled=False)
         assert before >= 2  # (the first hostile request's own chunks, at least)
         for i in range(3):  # the writers survived: new prompts still reach the pool
             complete(_prompts(1, 2 * CHUNK + 5, seed=200 + i)[0])
         deadline = time.monotonic() + 30
-        while _pool_files(pool) < before + 6 and time.monotonic() < deadline:
+        while _pool_files(pool, settled=False) < before + 6 and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _pool_files(pool) >= before + 6
+        assert _pool_files(pool, settled=False) >= before + 6
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         rejected = [line for line in metrics.splitlines() if line.startswith("kvtier_rejected_request_params_total")]
         assert rejected and float(rejected[0].rsplit(" ", 1)[1]) == len(hostile)

@@ -157,18 +157,20 @@ def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
 
 
 def first_chunk_file(pool: Path, prompt: list[int]) -> Path:
-    """The pool file of ``prompt``'s first chunk (its parent key is the namespace digest, which
-    every header in this pool carries)."""
+    """The pool file of the first KV head of ``prompt``'s first chunk (its parent key is the
+    namespace digest, which every header in this pool carries)."""
     import numpy as np
     from blake3 import blake3
 
+    from kvtier.bench.model import KV_HEADS
     from kvtier.format import unpack_header
-    from kvtier.keys import recompute_key
+    from kvtier.keys import ChunkId, recompute_key, shard_id
     from kvtier.tiers.files import ChunkFiles
 
     namespace = unpack_header(next(pool.glob("??/??/*.kvt")).read_bytes()[:4096]).namespace
     digest = blake3(np.asarray(prompt[:CHUNK], dtype="<u4").tobytes()).digest()
-    path = ChunkFiles(pool, create=False).path_for(recompute_key(namespace, digest))
+    logical = ChunkId(recompute_key(namespace, digest), namespace, digest)
+    path = ChunkFiles(pool, create=False).path_for(shard_id(logical, 0, KV_HEADS).key)
     assert path.exists(), path
     return path
 

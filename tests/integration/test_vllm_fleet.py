@@ -209,8 +209,11 @@ def test_chunks_reaching_the_pool_are_announced_with_vllms_block_hashes(fleet: d
     vllm_own = [e for e in stored if e.ownership is None]  # vLLM's block pool (medium GPU)
     assert pool and host and vllm_own
     assert all(e.medium == "STORAGE" for e in pool) and all(e.medium == "CPU" for e in host)
-    # One event per chunk in the pool; every hash is one vLLM itself published for that block.
-    assert len(pool) == len(fleet["pool_after_a"])
+    # One event per chunk in the pool (each chunk is one file per KV head, announced once); every
+    # hash is one vLLM itself published for that block.
+    from kvtier.bench.model import KV_HEADS
+
+    assert len(pool) * KV_HEADS == len(fleet["pool_after_a"])
     vllm_hashes = {h for e in vllm_own for h in e.block_hashes}
     for e in pool:
         assert len(e.token_ids) == CHUNK and len(e.block_hashes) == CHUNK // e.block_size
