@@ -79,7 +79,7 @@ def thread_cpu(pgid: int) -> dict[str, float]:
                 _, seconds = proc_cpu(pid, int(tid))
             except OSError:
                 continue
-            group = re.sub(r"[_-]\d+$", "", name) if name.startswith("kvtier") else "engine"
+            group = re.sub(r"[_-]\d*$", "", name) if name.startswith("kvtier") else "engine"
             out[group] = out.get(group, 0.0) + seconds
     return out
 

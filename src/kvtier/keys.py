@@ -146,9 +146,9 @@ def shard_id(cid: ChunkId, shard: int, num_shards: int) -> ChunkId:
     """The identity of shard ``shard`` of ``num_shards`` of the logical chunk ``cid``.
 
     A chunk's KV is stored as one chunk per shard: per KV head (so that any tensor-parallel
-    size reads it), or per tensor-parallel rank where heads cannot be addressed. A shard keeps the logical chunk's parent and token
-    digest and gets its own extra digest (the logical extra digest, the shard and the shard
-    count), so ``recompute_key`` still verifies it from its header alone, a shard can never be
+    size reads it), or per tensor-parallel rank where heads cannot be addressed. A shard keeps
+    the logical chunk's parent and token digest and gets its own extra digest (the logical extra
+    digest, the shard and the shard count), so ``recompute_key`` still verifies it from its header alone, a shard can never be
     read as another shard or as the whole, and the logical key chain stays rank-independent
     (the scheduler computes one chain for all ranks). ``num_shards == 1`` returns ``cid``.
     """

@@ -63,6 +63,9 @@ def prefault(array: np.ndarray, name: str = "kvtier-prefault") -> threading.Thre
         return None
 
     def run() -> None:
+        from kvtier.threads import name_os_thread
+
+        name_os_thread()
         lower_priority(19)
         base, size = array.ctypes.data, array.nbytes
         for offset in range(0, size, PREFAULT_STEP):

@@ -7,13 +7,18 @@ that each one
   set_device``), or a new thread would create a CUDA context on GPU 0 whatever rank it serves;
 * survives any exception in its work item: ``Failures.record`` logs the first one of each
   place with its traceback (later ones at debug level, so a hostile input repeated a million
-  times cannot flood the log) and counts every one in the store's ``thread_errors``.
+  times cannot flood the log) and counts every one in the store's ``thread_errors``;
+* carries its name to the OS (Linux: the thread's ``comm``, first 15 bytes), so ``top -H``,
+  ``py-spy`` and ``/proc/PID/task/*/comm`` tell kvtier's threads from the engine's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
+import ctypes.util
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -55,11 +60,29 @@ class Failures:
             return None
 
 
-def _initializer(init: ThreadInit | None) -> Callable[[], None] | None:
-    if init is None:
-        return None
+_PR_SET_NAME = 15
+_libc: Any = None
 
+
+def name_os_thread() -> None:
+    """Give the calling thread's Python name to the OS (Linux ``prctl(PR_SET_NAME)``; a no-op
+    elsewhere or when libc cannot be loaded)."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15] + b"\0", 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _initializer(init: ThreadInit | None) -> Callable[[], None]:
     def run() -> None:
+        name_os_thread()
+        if init is None:
+            return
         try:
             init()
         except Exception:  # a thread that cannot set its device still serves (on the default one)
@@ -78,8 +101,7 @@ def thread(target: Callable[[], None], name: str, init: ThreadInit | None = None
     first = _initializer(init)
 
     def run() -> None:
-        if first is not None:
-            first()
+        first()
         target()
 
     return threading.Thread(target=run, name=name, daemon=True)

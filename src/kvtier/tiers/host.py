@@ -11,8 +11,9 @@ to disk or the pool stay available there.
 The slab is allocated once and reused: a read into host DRAM costs no allocation. It is mapped
 as transparent huge pages where the kernel has them, and with ``prefault`` its pages are faulted
 in by a background thread of the lowest priority (``memory.py``): on a virtual machine a first
-touch costs many times a copy, and engines fill slots from their own thread. Like a tier, the cache has a ``name`` ("host"), ``metrics`` and
-``lookup``, so the store's one walk (``tiers.locate``) finds chunks in it and in the tiers below.
+touch costs many times a copy, and engines fill slots from their own thread. Like a tier, the
+cache has a ``name`` ("host"), ``metrics`` and ``lookup``, so the store's one walk
+(``tiers.locate``) finds chunks in it and in the tiers below.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier import memory
 from kvtier.format import PAYLOAD_OFFSET, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier import memory
 from kvtier.tiers.base import ChangeJournal, Chunk
 
 

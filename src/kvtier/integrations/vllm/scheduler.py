@@ -67,6 +67,7 @@ from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.profile import Profile, Profiler
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
+from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.locate import locate
@@ -199,7 +200,7 @@ class SchedulerRole:
         self.disabled = False
         self._requests: dict[str, _Request] = {}
         self._idle = True  # the last step scheduled no tokens
-        self._lookups = cf.ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
+        self._lookups = executor(LOOKUP_THREADS, "kvtier-lookup")
         self._background_loads: list[Transfer] = []  # allocated this step, sent with the next metadata
         self._finishing: list[Transfer] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store.read_timeout_s, store.tier_cooldown_s)
@@ -298,9 +299,8 @@ class SchedulerRole:
                 state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace,
                                  salt, extra, request=request, retain_s=self._retain_s(request))
             if self.profiler is not None:
-                state.profile = self.profiler.arrived(request.request_id,
-                                                      str(getattr(request, "external_req_id", None) or request.request_id),
-                                                      prompt_len)
+                client_id = str(getattr(request, "external_req_id", None) or request.request_id)
+                state.profile = self.profiler.arrived(request.request_id, client_id, prompt_len)
             self._requests[request.request_id] = state
         return state
 
