@@ -12,9 +12,17 @@ Every configuration runs in its own engine processes, one after the other:
 * ``kvtier``: process A prefills the sessions (saving into an fs pool), process B (fresh)
   resumes them: TTFT of the resume (``load_mode: async``, the default), and process C
   (fresh) the same with ``load_mode: sync``;
-* ``example``: the same with vLLM's ExampleConnector (``shared_storage_path``).
+* ``example``: the same with vLLM's ExampleConnector (``shared_storage_path``);
+* ``floor``: plain vLLM prefills the sessions, then serves each again from its own prefix cache
+  in the same process: the resume "as if the KV had never left". ``floor + bytes`` adds the
+  time to read the pool's chunk files of a session at the device's rate, measured in the same
+  run right after the kvtier resume, in the page-cache state that resume saw (one thread,
+  8 MiB reads, no checks: the raw device's best single-stream rate).
 
-    python benchmarks/vllm_resume.py --tokens 8192 --sessions 3 --out docs/results/vllm_resume.json
+With ``--warmup`` every process serves one short new prompt first, left out of the figures
+(the first request of a process pays one-off costs: allocator growth, lazy imports).
+
+    python benchmarks/vllm_resume.py --tokens 8192 --sessions 3 --warmup --out docs/results/vllm_resume.json
 
 With ``--tensor-parallel-size 2`` every engine runs tensor parallel (one core per rank on the
 CPU build); the target there (the connector's deployment issue) is a resume at least 5x faster
@@ -29,6 +37,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +48,48 @@ from kvtier.bench.offline import run_engine
 def run(spec: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
     """Results of one engine process, or ``{"error": ...}``: a failed peer is recorded, not fatal."""
     try:
-        return run_engine(spec, tmp, name)
+        result: dict[str, Any] = run_engine(spec, tmp, name)
+        return result
     except EngineError as exc:
         return {"error": str(exc)}
 
 
-def median_ttft(result: dict[str, Any]) -> float | None:
+def median_ttft(result: dict[str, Any], tag: str | None = None) -> float | None:
+    """Median TTFT of the results tagged ``tag`` (warm-up requests never count)."""
     if "error" in result:
         return None
-    return statistics.median(r["ttft_s"] for r in result["results"])
+    times = [r["ttft_s"] for r in result["results"] if r.get("tag") == tag]
+    return statistics.median(times) if times else None
+
+
+def raw_read_s(files: list[Path]) -> float:
+    """Seconds to read ``files`` in one thread with 8 MiB reads into one buffer (no checks)."""
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+    return time.perf_counter() - t0
+
+
+def session_files(pool: Path, session: list[int], chunk_tokens: int = 256) -> list[Path]:
+    """The pool files holding ``session``'s full chunks (every head and rank shard), found by
+    the token digest in their headers."""
+    import numpy as np
+    from blake3 import blake3
+
+    from kvtier.format import unpack_header
+
+    digests = {blake3(np.asarray(session[i:i + chunk_tokens], dtype="<u4").tobytes()).digest()
+               for i in range(0, len(session) // chunk_tokens * chunk_tokens, chunk_tokens)}
+    found = []
+    for path in pool.glob("??/??/*.kvt"):
+        with open(path, "rb") as fh:
+            if unpack_header(fh.read(4096)).chunk.tokens_digest in digests:
+                found.append(path)
+    return found
 
 
 def main() -> int:
@@ -59,6 +101,8 @@ def main() -> int:
                     help="kvtier io_threads (default 2: this machine has 2 cores and vLLM binds one)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="TP size of every engine (default 1)")
     ap.add_argument("--skip-example", action="store_true", help="leave out vLLM's ExampleConnector peer")
+    ap.add_argument("--warmup", action="store_true",
+                    help="every process serves one short new prompt first, left out of the figures")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
@@ -68,23 +112,36 @@ def main() -> int:
     rng = random.Random(1)
     sessions = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
     fresh = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
+    warm = [rng.randrange(100, 31000) for _ in range(300)]
     base = {"model": str(model), "max_tokens": 1, "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_gib": 2,
             "logprobs": None, "log_stats": False}  # timing runs: no log-probabilities, no vLLM metrics
     pool, shared = tmp / "pool", tmp / "example"
     kv_extra = {"pool_url": f"fs://{pool}", "host_bytes": "1GiB", "io_threads": args.io_threads}
     results: dict[str, Any] = {}
+    read_s: float | None = None
+
+    def plan(n: int, again: bool = False) -> dict[str, Any]:
+        """Prompts and plan: the warm-up prompt (index n) first if asked, each session once
+        (and, for the floor, each again from the engine's own prefix cache, tagged "hit")."""
+        steps = ([{"p": n, "tag": "warmup"}] if args.warmup else []) + [{"p": i} for i in range(n)]
+        if again:
+            steps += [{"p": i, "tag": "hit"} for i in range(n)]
+        return {"plan": steps}
+
+    on_sessions = {"prompts": [*sessions, warm], **plan(args.sessions)}
+    on_fresh = {"prompts": [*fresh, warm], **plan(args.sessions)}
+    example = {"connector": "example", "extra": {"shared_storage_path": str(shared)}}
     steps = [
-        ("plain", {**base, "connector": None, "prompts": fresh}),
-        ("kvtier-never", {**base, "connector": "kvtier", "prompts": fresh,
+        ("floor", {**base, "connector": None, "prompts": [*sessions, warm], **plan(args.sessions, again=True)}),
+        ("plain", {**base, "connector": None, **on_fresh}),
+        ("kvtier-never", {**base, "connector": "kvtier", **on_fresh,
                           "extra": {**kv_extra, "pool_url": f"fs://{tmp / 'unused'}", "load_policy": "never"}}),
-        ("kvtier-populate", {**base, "connector": "kvtier", "prompts": sessions, "extra": kv_extra}),
-        ("kvtier-resume", {**base, "connector": "kvtier", "prompts": sessions, "extra": kv_extra}),
-        ("kvtier-resume-sync", {**base, "connector": "kvtier", "prompts": sessions,
+        ("kvtier-populate", {**base, "connector": "kvtier", **on_sessions, "extra": kv_extra}),
+        ("kvtier-resume", {**base, "connector": "kvtier", **on_sessions, "extra": kv_extra}),
+        ("kvtier-resume-sync", {**base, "connector": "kvtier", **on_sessions,
                                 "extra": {**kv_extra, "load_mode": "sync"}}),
-        ("example-populate", {**base, "connector": "example", "prompts": sessions,
-                              "extra": {"shared_storage_path": str(shared)}}),
-        ("example-resume", {**base, "connector": "example", "prompts": sessions,
-                            "extra": {"shared_storage_path": str(shared)}}),
+        ("example-populate", {**base, **example, **on_sessions}),
+        ("example-resume", {**base, **example, **on_sessions}),
     ]
     if args.skip_example:
         steps = [(name, spec) for name, spec in steps if not name.startswith("example")]
@@ -92,18 +149,32 @@ def main() -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         results[name] = run(spec, tmp, name)
         print(f"  {name}: TTFT median {median_ttft(results[name])}", file=sys.stderr, flush=True)
+        if name == "kvtier-resume" and "error" not in results[name]:
+            reads = [raw_read_s(session_files(pool, session)) for session in sessions]
+            read_s = statistics.median(reads)
     ttft = {name: median_ttft(r) for name, r in results.items()}
+    ttft["floor"] = median_ttft(results["floor"], "hit")  # its first pass is a plain prefill
     summary: dict[str, Any] = {"tokens": args.tokens, "sessions": args.sessions, "io_threads": args.io_threads,
+                               "warmup": args.warmup,
                                "tensor_parallel_size": args.tensor_parallel_size, "ttft_median_s": ttft}
     rec, kv, ex, never = ttft["plain"], ttft["kvtier-resume"], ttft.get("example-resume"), ttft["kvtier-never"]
+    floor = ttft["floor"]
+    if floor and kv and read_s is not None:
+        summary["floor_s"], summary["raw_read_per_session_s"] = floor, read_s
+        summary["floor_bytes_s"] = floor + read_s
+        summary["kvtier_x_floor"] = kv / floor
+        summary["kvtier_x_floor_bytes"] = kv / (floor + read_s)
+        if ex:
+            summary["example_x_floor_bytes"] = ex / (floor + read_s)
     if rec and kv:
         summary["kvtier_speedup_vs_recompute"] = rec / kv
     if ttft["kvtier-populate"] and kv:
         summary["kvtier_speedup_vs_recompute_same_binding"] = ttft["kvtier-populate"] / kv
         summary["kvtier_populate_recompute_s"] = ttft["kvtier-populate"]
-    if kv and ttft.get("kvtier-resume-sync"):
+    sync = ttft.get("kvtier-resume-sync")
+    if kv and sync:
         # The default (async: the request waits while the engine goes on) vs the old path.
-        summary["kvtier_async_vs_sync_resume_ttft_ratio"] = kv / ttft["kvtier-resume-sync"]
+        summary["kvtier_async_vs_sync_resume_ttft_ratio"] = kv / sync
     if kv and ex:
         summary["kvtier_vs_example_ttft_ratio"] = kv / ex
     if rec and never:
@@ -115,11 +186,16 @@ def main() -> int:
     if "error" not in results["kvtier-resume"] and "error" not in results["kvtier-populate"]:
         summary["outputs_equal_kvtier_vs_populate"] = [r["tokens"] for r in results["kvtier-resume"]["results"]] == [
             r["tokens"] for r in results["kvtier-populate"]["results"]]
-        summary["kvtier_cached_tokens"] = [r["cached"] for r in results["kvtier-resume"]["results"]]
+        summary["kvtier_cached_tokens"] = [r["cached"] for r in results["kvtier-resume"]["results"]
+                                           if r.get("tag") != "warmup"]
         summary["pool_chunk_files"] = len(list(pool.glob("??/??/*.kvt")))
-        summary["pool_chunk_files_expected"] = args.tensor_parallel_size * args.sessions * (args.tokens // 256)
+        # One file per KV head of each full chunk (head shards), the warm-up prompt's included.
+        heads = json.loads((model / "config.json").read_text())["num_key_value_heads"]
+        chunks = args.sessions * (args.tokens // 256) + (len(warm) // 256 if args.warmup else 0)
+        summary["pool_chunk_files_expected"] = heads * chunks
     if "error" not in results.get("example-resume", {"error": ""}):
-        summary["example_cached_tokens"] = [r["cached"] for r in results["example-resume"]["results"]]
+        summary["example_cached_tokens"] = [r["cached"] for r in results["example-resume"]["results"]
+                                            if r.get("tag") != "warmup"]
     summary["errors"] = {name: r["error"][-500:] for name, r in results.items() if "error" in r}
     print(json.dumps(summary, indent=2))
     if args.out:
