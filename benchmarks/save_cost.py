@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shutil
 import statistics
@@ -34,10 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import procstat
 from kvtier.bench.client import LoadClient, Session, Target, Turn
 from kvtier.bench.engines import Process, free_port, group_pids
 from kvtier.bench.model import ensure_model
-from kvtier.bench.procstat import proc_cpu
 from kvtier.bench.suite import SuiteSpec, engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
 
@@ -69,16 +68,7 @@ def thread_cpu(pgid: int) -> dict[str, float]:
     thread name (``kvtier-writer-0`` -> ``kvtier-writer``: a pool's threads count together)."""
     out: dict[str, float] = {}
     for pid in group_pids(pgid):
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                _, seconds = proc_cpu(pid, int(tid))
-            except OSError:
-                continue
+        for name, seconds in procstat.thread_cpu(pid).items():
             group = re.sub(r"[_-]\d*$", "", name) if name.startswith("kvtier") else "engine"
             out[group] = out.get(group, 0.0) + seconds
     return out

@@ -8,8 +8,8 @@ A key is deterministic across processes and machines: it is a BLAKE3 digest of b
     key(-1)          = namespace digest
 
 The namespace digest covers everything that changes the stored bytes (model and the content
-of its weights, dtype, layout, chunk size, parallel rank/size, format version, tenant salt), so KV of one model or tenant can
-never be addressed by another. Hashing the token digest rather than the tokens lets
+of its weights, dtype, layout, chunk size, parallel rank/size, format version, tenant salt), so
+KV of one model or tenant can never be addressed by another. Hashing the token digest rather than the tokens lets
 ``kvtier pool verify`` recheck a key from a chunk header alone (parent key + token digest).
 """
 
@@ -148,9 +148,10 @@ def shard_id(cid: ChunkId, shard: int, num_shards: int) -> ChunkId:
     A chunk's KV is stored as one chunk per shard: per KV head (so that any tensor-parallel
     size reads it), or per tensor-parallel rank where heads cannot be addressed. A shard keeps
     the logical chunk's parent and token digest and gets its own extra digest (the logical extra
-    digest, the shard and the shard count), so ``recompute_key`` still verifies it from its header alone, a shard can never be
-    read as another shard or as the whole, and the logical key chain stays rank-independent
-    (the scheduler computes one chain for all ranks). ``num_shards == 1`` returns ``cid``.
+    digest, the shard and the shard count), so ``recompute_key`` still verifies it from its
+    header alone, a shard can never be read as another shard or as the whole, and the logical
+    key chain stays rank-independent (the scheduler computes one chain for all ranks).
+    ``num_shards == 1`` returns ``cid``.
     """
     if num_shards == 1:
         return cid

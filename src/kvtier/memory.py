@@ -58,29 +58,29 @@ def lower_priority(nice: int) -> None:
 def prefault(array: np.ndarray, name: str = "kvtier-prefault") -> threading.Thread | None:
     """Fault ``array``'s pages in on a daemon thread at the lowest priority (contents unchanged);
     None where the kernel cannot (no ``MADV_POPULATE_WRITE``: pages then fault on first use)."""
-    libc = _c()
-    if libc is None or not array.nbytes:
+    lib = libc()
+    if lib is None or not array.nbytes:
         return None
 
     def run() -> None:
-        from kvtier.threads import name_os_thread
-
-        name_os_thread()
         lower_priority(19)
         base, size = array.ctypes.data, array.nbytes
         for offset in range(0, size, PREFAULT_STEP):
             n = min(PREFAULT_STEP, size - offset)
-            if libc.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
+            if lib.madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
                 log.debug("kvtier: MADV_POPULATE_WRITE failed (errno %d): host DRAM faults in on first use",
                           ctypes.get_errno())
                 return
 
-    worker = threading.Thread(target=run, name=name, daemon=True)
+    from kvtier.threads import thread  # (kvtier.threads loads libc from here)
+
+    worker = thread(run, name)
     worker.start()
     return worker
 
 
-def _c() -> ctypes.CDLL | None:
+def libc() -> ctypes.CDLL | None:
+    """The C library (loaded once; None where ctypes cannot find it)."""
     global _libc
     if _libc is None:
         path = ctypes.util.find_library("c")

@@ -15,14 +15,13 @@ that each one
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
-import ctypes.util
 import logging
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.memory import libc
 from kvtier.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
@@ -61,19 +60,17 @@ class Failures:
 
 
 _PR_SET_NAME = 15
-_libc: Any = None
 
 
 def name_os_thread() -> None:
     """Give the calling thread's Python name to the OS (Linux ``prctl(PR_SET_NAME)``; a no-op
     elsewhere or when libc cannot be loaded)."""
-    global _libc
     if not sys.platform.startswith("linux"):
         return
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15] + b"\0", 0, 0, 0)
+        lib = libc()
+        if lib is not None:
+            lib.prctl(_PR_SET_NAME, threading.current_thread().name.encode()[:15] + b"\0", 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

@@ -88,6 +88,24 @@ def thread_names(pid: int) -> dict[str, int]:
     return dict(sorted(names.items()))
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each thread name of ``pid`` (``/proc/PID/task/*``),
+    summed over the threads of one name. Empty if the process has gone."""
+    seconds: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return seconds
+    for tid in tids:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            _, cpu_s = proc_cpu(pid, int(tid))
+        except OSError:
+            continue
+        seconds[name] = seconds.get(name, 0.0) + cpu_s
+    return seconds
+
+
 def dir_usage(path: Path) -> tuple[int, int]:
     """(files, bytes) under ``path``; files that vanish during the walk are left out."""
     files = size = 0
