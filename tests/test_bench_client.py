@@ -96,11 +96,14 @@ def run(client: LoadClient, sessions: list[Session], concurrency: int = 1,
 
 def test_ttft_is_the_first_streamed_token_not_the_response(server: str) -> None:
     client = LoadClient([Target(server, "m")])
-    [rec] = run(client, one("wait=0.3 gap=0.05"))
+    [rec] = run(client, one("wait=0.3 gap=0.1"))
     assert rec["error"] is None and rec["status"] == 200
-    assert 0.3 <= rec["ttft_s"] < 0.45
-    assert rec["e2e_s"] >= rec["ttft_s"] + 4 * 0.05
-    assert 0.045 <= rec["itl_s"] < 0.1
+    # Bounds from the server's own timeline (first token at 0.3 s, the last at 0.3 + 4 x 0.1 s),
+    # not from the client's reading of the first token: a busy machine can deliver that one late
+    # and the rest in a burst, which shortens the client's gaps but never the server's.
+    assert 0.3 <= rec["ttft_s"] < 0.6
+    assert rec["e2e_s"] >= 0.3 + 4 * 0.1 > rec["ttft_s"]
+    assert 0.05 <= rec["itl_s"] < 0.2
     assert (rec["prompt_tokens"], rec["output_tokens"], rec["cached_tokens"]) == (100, TOKENS, 64)
     assert rec["config"] == "fake" and rec["start_s"] >= 0
     body = FakeOpenAI.bodies[0]
