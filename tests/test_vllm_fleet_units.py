@@ -127,6 +127,19 @@ def test_events_announce_a_chunk_once_per_tier_with_vllms_block_hashes() -> None
     assert events.take() == []
 
 
+def test_events_name_every_tier_kind_redis_included() -> None:
+    role, _ = make_scheduler()
+    tokens = list(range(1000, 1000 + CHUNK))
+    ids = role._state(request("r", tokens)).chunk_ids
+    events = ChunkEvents(CHUNK, 16, 1, max_chunks=8)
+    events.remember(vllm_request(tokens, 16), ids, 0, 1)
+    key = shard_id(ids[0], 0, 1).key
+    for tier in ("host", "disk", "pool", "redis", "nvme-of-the-future"):
+        events.changed(tier, True, key)
+    got = [(e.ownership, e.medium) for e in events.take()]
+    assert got == [("host", "CPU"), ("disk", "STORAGE"), ("pool", "STORAGE"), ("redis", "STORAGE")]
+
+
 def test_events_remember_at_most_max_chunks() -> None:
     role, _ = make_scheduler()
     tokens = list(range(1000, 1000 + 4 * CHUNK))

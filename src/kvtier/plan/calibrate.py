@@ -28,6 +28,7 @@ import numpy as np
 
 from kvtier.config import parse_bytes
 from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, TierSpec
+from kvtier.tiers.kinds import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,9 @@ def fit_tier(config: str, entry: Record, records: Sequence[Record], model: Model
     latency = max(0.0, float(np.median(residuals))) if residuals else 0.0
     probe_write = (probe or {}).get("write_gbps")
     write = float(probe_write) * 1e9 if isinstance(probe_write, int | float) and probe_write > 0 else rate
-    spec = TierSpec(tier_name, _UNBOUNDED_BYTES, rate, write, latency, persistent=tier_name != "host",
-                    shared=tier_name == "pool", write_queue_s=1e9)
+    known = KINDS.get(tier_name)  # another connector's configuration: a persistent local tier
+    spec = TierSpec(tier_name, _UNBOUNDED_BYTES, rate, write, latency, persistent=known.persistent if known else True,
+                    shared=known.shared if known else False, write_queue_s=1e9)
     return spec, {"read_bytes_per_s": rate, "rate_source": source, "latency_s": latency,
                   "requests": len(residuals), "residuals_s": [round(x, 4) for x in residuals]}
 

@@ -5,9 +5,12 @@ decoding request one token, then admits waiting requests first-come-first-served
 a ``max_batched_tokens`` budget (chunked prefill). On admission a request gets, in this order:
 the engine's own prefix cache (HBM, LRU over sessions, block-granular), then the longest
 chunk-granular prefix the tiers hold (host, disk, pool: each tier LRU within its byte budget),
-and the connector's load-or-recompute decision (``KVTierConnector._pays_off``): load only if
-``bytes / tier bandwidth + latency`` is less than prefilling those tokens. Loads are synchronous
-in the step that admits the request, as kvtier's connector does them, so the step lasts
+and the load-or-recompute decision of ``kvtier.policy``, the rule the connector's scheduler
+decides by: load only if ``bytes / tier bandwidth + latency`` is less than prefilling those
+tokens (the connector's latency term is 0: the rates its workers measure already include it).
+Loads are modelled as synchronous in the step that admits the request (the connector's
+``load_mode: sync``; its default, ``async``, lets the other requests' steps run during a load,
+so the model overstates what a load costs its neighbours), so the step lasts
 ``overhead + sum over tiers (bytes read in this step / bandwidth + latency) + prefill + decode``:
 read-backs admitted together share the tier's bandwidth, and every request in a step waits for
 the whole step. Runs of decode-only steps are advanced in bulk up to the next event, which keeps
@@ -40,6 +43,7 @@ import numpy as np
 
 from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig, TierSpec
 from kvtier.plan.workload import Phase, Turn, Workload
+from kvtier.policy import Read, pays_off, predicted_load_s
 
 
 class _LRUTier:
@@ -244,8 +248,9 @@ class _Simulation:
         loaded = 0
         if ext > 0:
             tiers = self.tiers
-            predicted = sum(n * self.bpt / tiers[i].read_bytes_per_s + tiers[i].spec.latency_s for i, n in segments)
-            if predicted < self.eng.prefill_s(ext, hbm_hit):
+            predicted = predicted_load_s(Read(n * self.bpt, tiers[i].read_bytes_per_s, tiers[i].spec.latency_s)
+                                         for i, n in segments)
+            if pays_off(predicted, self.eng.prefill_s(ext, hbm_hit)):
                 for i, n in segments:
                     step_bytes[i] = step_bytes.get(i, 0) + n * self.bpt
                     r.loaded[tiers[i].spec.name] = n
@@ -428,11 +433,10 @@ class _PhaseRun:
             budget -= n
             if r.computed >= r.prompt:
                 completed += 1
-        load = 0.0
+        load = predicted_load_s(Read(nbytes, sim.tiers[i].read_bytes_per_s, sim.tiers[i].spec.latency_s)
+                                for i, nbytes in step_bytes.items())
         for i, nbytes in step_bytes.items():
-            tier = sim.tiers[i]
-            load += nbytes / tier.read_bytes_per_s + tier.spec.latency_s
-            sim.bytes_read[tier.spec.name] += nbytes if self.counted else 0
+            sim.bytes_read[sim.tiers[i].spec.name] += nbytes if self.counted else 0
         decode = sim.decode_cost(decoding) if decoding else 0.0
         sim.now += eng.step_overhead_s + load + prefill + decode
         self.busy["overhead"] += eng.step_overhead_s

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import parse_bytes
+from kvtier.tiers.kinds import DISK, HOST, KINDS, POOL
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "int8": 1, "uint8": 1}
 # Tier names the default configurations use, in lookup order (the connector's: host, disk, pool).
-TIER_ORDER = ("host", "disk", "pool")
+TIER_ORDER = tuple(k.name for k in (HOST, DISK, POOL))
 
 
 def _positive(owner: str, name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -91,8 +92,10 @@ class TierSpec:
     ``latency_s`` is paid once per step that reads from the tier (lookups, opens, first byte);
     ``persistent`` tiers survive an engine restart (disk, pool), others (host DRAM) do not.
     ``shared`` tiers (the pool) are shared by all instances: capacity and bandwidth are divided
-    among them. ``write_queue_s``: background writes further behind than this are dropped, as the
-    connector's bounded write queue drops them rather than stall the engine.
+    among them. A hardware file that leaves either out for a tier named after a kind
+    (``kvtier.tiers.kinds``: host, disk, pool, redis) gets that kind's. ``write_queue_s``:
+    background writes further behind than this are dropped, as the connector's bounded write
+    queue drops them rather than stall the engine.
     """
 
     name: str
@@ -227,6 +230,11 @@ def _build(cls: Any, data: Mapping[str, Any], where: str) -> Any:
         raise ValueError(f"{where}: {exc}") from None
 
 
+def _kind_defaults(name: str) -> dict[str, bool]:
+    known = KINDS.get(name)
+    return {} if known is None else {"persistent": known.persistent, "shared": known.shared}
+
+
 def hardware_from_dict(data: Mapping[str, Any]) -> HardwareSpec:
     """``{"engine": {...}, "tiers": {"disk": {...}, ...}, "instances": N}``; sizes may be '2TiB'."""
     if not isinstance(data, Mapping) or "engine" not in data:
@@ -235,7 +243,7 @@ def hardware_from_dict(data: Mapping[str, Any]) -> HardwareSpec:
     tiers_raw = data.get("tiers") or {}
     if not isinstance(tiers_raw, Mapping):
         raise ValueError("hardware.tiers: expected a mapping of tier name to figures")
-    tiers = tuple(_build(TierSpec, {"name": name, **dict(spec)}, f"hardware.tiers.{name}")
+    tiers = tuple(_build(TierSpec, {"name": name, **_kind_defaults(name), **dict(spec)}, f"hardware.tiers.{name}")
                   for name, spec in tiers_raw.items())
     return HardwareSpec(engine, tiers, int(data.get("instances", 1)))
 

@@ -109,9 +109,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self.scheduler is not None and isinstance(meta, KVTierWorkerMeta):
-            known = (self.scheduler.prefill_tokens_per_s is None, len(self.scheduler.measured_read))
+            known = self.scheduler.rates.known()
             self.scheduler.update_connector_output(meta)
-            if known != (self.scheduler.prefill_tokens_per_s is None, len(self.scheduler.measured_read)):
+            if known != self.scheduler.rates.known():
                 # A rate measured for the first time: in the metrics file now, not at the next 5 s
                 # tick or at shutdown, which vLLM may never give the scheduler's connector.
                 self.metrics_file.write()

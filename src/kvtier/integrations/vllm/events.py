@@ -15,12 +15,14 @@ tier                  medium     ownership
 host DRAM             CPU        host
 local disk            STORAGE    disk
 shared pool (fs)      STORAGE    pool
+shared pool (Redis)   STORAGE    redis
 ====================  =========  ==========
 
-The scheduler remembers the hashes of chunks this instance saved or loaded (``remember``,
-at most ``max_chunks``, least recently used dropped first); the first tensor-parallel rank
-reports what its tiers added and removed (``changed``), including chunks any instance or
-``kvtier pool gc`` evicted from the pool (``ROOT/.evicted``). A chunk is announced once per
+(one row per kind in ``kvtier.tiers.kinds``, Redis's too). The scheduler remembers the hashes
+of chunks this instance saved or loaded (``remember``, at most ``max_chunks``, least recently
+used dropped first); the first tensor-parallel rank reports what its tiers added and removed
+(``changed``), including chunks any instance or ``kvtier pool gc`` evicted from the pool
+(``ROOT/.evicted``). A chunk is announced once per
 tier it reaches and withdrawn once per tier it leaves; a change of a chunk this process does
 not remember (written by another instance, or forgotten) publishes nothing.
 """
@@ -37,13 +39,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvtier.keys import ChunkId, shard_id
+from kvtier.tiers.kinds import KINDS
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-MEDIUM = {"host": "CPU", "disk": "STORAGE", "pool": "STORAGE"}
 
 
 @dataclass
@@ -116,9 +117,9 @@ class ChunkEvents:
     def changed(self, tier: str, added: bool, key: bytes) -> None:
         """The first rank's ``tier`` added or removed the chunk with shard key ``key``."""
         chunk = self._chunks.get(key)
-        medium = MEDIUM.get(tier)
-        if chunk is None or medium is None:
+        if chunk is None or tier not in KINDS:
             return
+        medium = KINDS[tier].medium
         if added and tier not in chunk.tiers:
             chunk.tiers.add(tier)
             self._events.append(BlockStored(

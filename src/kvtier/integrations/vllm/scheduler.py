@@ -67,9 +67,11 @@ from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.profile import Profile, Profiler
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
+from kvtier.policy import Rates, Read, pays_off, predicted_load_s
 from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
+from kvtier.tiers.kinds import slowest
 from kvtier.tiers.locate import locate
 from kvtier.tiers.opening import open_pool_tier
 
@@ -80,8 +82,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HOST_SPEEDUP = 10.0  # prior for host DRAM vs read_gbps, until measured
-TIER_ORDER = {"host": 0, "disk": 1, "pool": 2, "redis": 2}
 LOOKUP_THREADS = 2
 LOOKUP_INLINE_WAIT_S = 0.002
 """While the engine is idle, the longest the scheduler waits for a request's lookup in one
@@ -191,12 +191,8 @@ class SchedulerRole:
         self.block_size = dep.block_size
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.namespace: Namespace = store.namespace(rank=0)
-        rate = connector.read_gbps * 1e9
-        # Per-tier read bandwidth: priors until the workers' loads measure it.
-        self.read_bytes_per_s = {"host": HOST_SPEEDUP * rate, "disk": rate, "pool": rate, "redis": rate}
-        self.default_read_bytes_per_s = rate
-        self.measured_read: dict[str, int] = {}
-        self.prefill_tokens_per_s = connector.prefill_tokens_per_s
+        # Per-tier read bandwidth and the prefill rate: priors until the workers measure them.
+        self.rates = Rates(connector.read_gbps * 1e9, connector.prefill_tokens_per_s)
         self.disabled = False
         self._requests: dict[str, _Request] = {}
         self._idle = True  # the last step scheduled no tokens
@@ -271,7 +267,7 @@ class SchedulerRole:
             if names is None or names is located:
                 names = located
             else:
-                names = [max(a, b, key=lambda n: TIER_ORDER.get(n, 3)) for a, b in zip(names, located, strict=False)]
+                names = [slowest(a, b) for a, b in zip(names, located, strict=False)]
             if not names:
                 break
         return names or []
@@ -422,16 +418,14 @@ class SchedulerRole:
         """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
         # One rank's shards: ranks read theirs in parallel, and the rates they report were measured doing so.
         chunk_bytes = self.config.chunk_bytes * self.dep.sharding.rank_shards
-        seconds = 0.0
-        for i in range(start // self.chunk_tokens, -(-end // self.chunk_tokens)):
-            # Whole chunks are read even when only part of one is needed.
-            seconds += chunk_bytes / self.read_bytes_per_s.get(chunk_tiers[i], self.default_read_bytes_per_s)
-        return seconds
+        # Whole chunks are read even when only part of one is needed.
+        chunks = range(start // self.chunk_tokens, -(-end // self.chunk_tokens))
+        return predicted_load_s(Read(chunk_bytes, self.rates.read_rate(chunk_tiers[i])) for i in chunks)
 
     def _pays_off(self, chunk_tiers: Sequence[str], start: int, end: int) -> bool:
-        if self.connector.load_policy == "always" or self.prefill_tokens_per_s is None:
-            return True  # no prefill rate measured yet (or one set): a hit is presumed faster
-        return self.predicted_load_s(chunk_tiers, start, end) < (end - start) / self.prefill_tokens_per_s
+        if self.connector.load_policy == "always":
+            return True
+        return pays_off(self.predicted_load_s(chunk_tiers, start, end), self.rates.recompute_s(end - start))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -609,18 +603,9 @@ class SchedulerRole:
             for tier, added, key in meta.tier_changes:
                 self.events.changed(tier, added, key)
         for tier, nbytes, seconds in meta.reads:
-            if seconds <= 0 or nbytes <= 0:
-                continue
-            rate = nbytes / seconds
-            n = self.measured_read.get(tier, 0)
-            prev = self.read_bytes_per_s.get(tier)
-            self.read_bytes_per_s[tier] = rate if n == 0 or prev is None else 0.7 * prev + 0.3 * rate
-            self.measured_read[tier] = n + 1
+            self.rates.observe_read(tier, nbytes, seconds)
         for tokens, seconds in meta.prefill:
-            if seconds > 0:
-                rate = tokens / seconds
-                prev = self.prefill_tokens_per_s
-                self.prefill_tokens_per_s = rate if prev is None else 0.7 * prev + 0.3 * rate
+            self.rates.observe_prefill(tokens, seconds)
 
     def _drop_views(self, rank: int, names: Sequence[str]) -> None:
         """Rank ``rank``'s store left these tiers out: stop finding chunks there for it (each such
@@ -644,8 +629,7 @@ class SchedulerRole:
 
     def snapshot(self) -> dict[str, Any]:
         tiers = {t.name: asdict(t.metrics.snapshot()) for t in self.rank_tiers.get(0, [])}
-        return {"read_gbps": {t: r / 1e9 for t, r in self.read_bytes_per_s.items() if t in self.measured_read},
-                "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
+        return {**self.rates.snapshot(), "tiers": tiers}
 
     def close(self) -> None:
         if self.profiler is not None:

@@ -31,8 +31,8 @@ from prometheus_client import REGISTRY, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvtier.metrics import GAUGES, HELP, TierCounters, tier_metric_name
+from kvtier.tiers.kinds import SHARED
 
-SHARED_TIERS = ("pool", "redis")  # gauges of a shared tier: every rank sees the same bytes (max, not sum)
 SEP = "|"  # data keys: "<metric name>|<label value>|..." (msgpack-friendly strings)
 
 
@@ -203,7 +203,8 @@ class KVTierStats(KVConnectorStats):  # type: ignore[misc]
 def gauge_value(tier: str | None, values: list[float]) -> float:
     """Gauges of one key across sources: a shared tier's is the same bytes seen by every rank
     (max); anything else each process holds on its own (sum)."""
-    return max(values) if tier in SHARED_TIERS else sum(values)
+    # A shared tier's gauges: every rank sees the same bytes (a maximum, not a sum).
+    return max(values) if tier in SHARED else sum(values)
 
 
 def _unregister(names: set[str]) -> None:

@@ -53,10 +53,10 @@ from kvtier.keys import ChunkId, shard_id
 from kvtier.store import TieredStore
 from kvtier.threads import Failures, ThreadInit, thread
 from kvtier.tiers.base import Tier
+from kvtier.tiers.kinds import SHARED
 
 log = logging.getLogger(__name__)
 
-SHARED_TIERS = ("pool", "redis")
 MAX_EVICTIONS_QUEUED = 1 << 16  # keys read from the pool's eviction log, waiting for a report
 IDLE_WAIT_S = 0.005  # how long a step without a forward pass waits for a background load to end
 EVICTIONS_READ_S = 1.0  # how often the first rank reads the pool's eviction log (KV events on)
@@ -74,7 +74,7 @@ class WorkerRole:
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.shards = dep.sharding.shards_of(rank)  # the head shards (or the one rank shard) it holds
         # Replicas of a shard (MLA's latent KV on every rank) reach the shared pool once.
-        self.skip_tiers: tuple[str, ...] = () if dep.sharding.writes_pool(rank) else SHARED_TIERS
+        self.skip_tiers: tuple[str, ...] = () if dep.sharding.writes_pool(rank) else SHARED
         self.store: TieredStore | None = None
         self.paged: PagedKV | None = None
         self.mover: PageMover | None = None

@@ -1,0 +1,49 @@
+"""kvtier.policy (the load-or-recompute rule) and kvtier.tiers.kinds (what each tier kind is)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.plan.spec import hardware_from_dict
+from kvtier.policy import EWMA_WEIGHT, Rates, Read, pays_off, predicted_load_s
+from kvtier.tiers.kinds import KINDS, SHARED, kind, slowest
+
+
+def test_a_load_pays_off_only_when_predicted_faster_than_recomputing() -> None:
+    reads = [Read(1e9, 2e9), Read(1e9, 1e9, latency_s=0.5)]
+    assert predicted_load_s(reads) == pytest.approx(0.5 + 1.0 + 0.5)
+    assert pays_off(1.9, 2.0) and not pays_off(2.0, 2.0) and not pays_off(3.0, 2.0)
+    assert pays_off(1e9, None)  # no prefill rate yet: a hit is presumed faster
+
+
+def test_rates_start_from_the_kinds_priors_and_follow_measurements() -> None:
+    rates = Rates(1e9)
+    assert rates.read_rate("host") == 10e9 and rates.read_rate("pool") == 1e9 and rates.read_rate("other") == 1e9
+    assert rates.recompute_s(1000) is None and rates.known() == (False, 0)
+    rates.observe_read("pool", 4_000_000_000, 1.0)  # the first sample replaces the prior
+    assert rates.read_rate("pool") == 4e9
+    rates.observe_read("pool", 2_000_000_000, 1.0)
+    assert rates.read_rate("pool") == pytest.approx((1 - EWMA_WEIGHT) * 4e9 + EWMA_WEIGHT * 2e9)
+    for bad in ((0, 1.0), (100, 0.0), (-5, 1.0), (100, -1.0)):  # a hostile or empty report changes nothing
+        rates.observe_read("disk", *bad)
+    assert rates.read_rate("disk") == 1e9 and "disk" not in rates.measured
+    rates.observe_prefill(1000, 0.5)
+    assert rates.recompute_s(1000) == pytest.approx(0.5) and rates.known() == (True, 1)
+    assert rates.snapshot() == {"read_gbps": {"pool": pytest.approx(3.4)}, "prefill_tokens_per_s": 2000.0}
+
+
+def test_every_kind_is_one_row() -> None:
+    assert list(KINDS) == ["host", "disk", "pool", "redis"] and SHARED == ("pool", "redis")
+    assert [k.order for k in KINDS.values()] == sorted(k.order for k in KINDS.values())
+    assert slowest("host", "pool") == "pool" and slowest("disk", "host") == "disk" and slowest("pool", "x") == "x"
+    assert kind("pool").may_hang and not kind("disk").shared and not kind("host").persistent
+    with pytest.raises(KeyError, match="host, disk, pool, redis"):
+        kind("tape")
+
+
+def test_a_hand_written_hardware_file_gets_each_kinds_sharedness() -> None:
+    hw = hardware_from_dict({"engine": {"prefill_tokens_per_s": 1000, "decode_step_s": 0.01},
+                             "tiers": {n: {"capacity_bytes": 1, "read_bytes_per_s": 1, "write_bytes_per_s": 1}
+                                       for n in ("host", "disk", "pool", "scratch")}})
+    got = {t.name: (t.persistent, t.shared) for t in hw.tiers}
+    assert got == {"host": (False, False), "disk": (True, False), "pool": (True, True), "scratch": (True, False)}
