@@ -47,3 +47,25 @@ def test_a_hand_written_hardware_file_gets_each_kinds_sharedness() -> None:
                                        for n in ("host", "disk", "pool", "scratch")}})
     got = {t.name: (t.persistent, t.shared) for t in hw.tiers}
     assert got == {"host": (False, False), "disk": (True, False), "pool": (True, True), "scratch": (True, False)}
+
+
+def test_one_counter_table_feeds_the_metrics_file_and_prometheus() -> None:
+    from kvtier.integrations.vllm.counters import COUNTERS, count, new_counters
+    from kvtier.integrations.vllm.stats import METRICS, flatten
+
+    counters = new_counters()
+    assert {c.key for c in COUNTERS if c.label is None} == set(counters)
+    count(counters, "loaded_tokens", n=512)
+    count(counters, "decision", "load")
+    count(counters, "unavailable_tiers")
+    with pytest.raises(ValueError, match="label required"):
+        count(counters, "decision")
+    with pytest.raises(KeyError):
+        count(counters, "loaded_tokenz")
+    names = {m.name for m in METRICS}
+    assert {c.metric for c in COUNTERS if c.metric} <= names
+    first, _ = flatten(counters, {}, first_rank=True)
+    other, _ = flatten(counters, {}, first_rank=False)
+    assert first["kvtier_loaded_tokens_total"] == 512 and "kvtier_loaded_tokens_total" not in other
+    assert first["kvtier_load_decisions_total|load"] == other["kvtier_load_decisions_total|load"] == 1
+    assert not any(k.startswith("unavailable_tiers") for k in first)  # metrics file only

@@ -19,6 +19,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvtier.fileio import write_atomic
+from kvtier.integrations.vllm.counters import count
 from kvtier.keys import ChunkId
 
 log = logging.getLogger(__name__)
@@ -124,26 +125,10 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return self
 
 
-COUNTERS = ("matched_tokens", "loaded_tokens", "failed_blocks", "saved_chunks", "unavailable_tiers",
-            "skipped_requests", "resumed_loads", "disabled", "async_loads", "stopped_loads", "lookup_timeouts",
-            "decode_saves", "failed_loads", "lookup_tokens", "miss_tokens", "rejected_params",
-            "unverified_saves", "mm_trusted_ids")
-"""The connector's own counters (the ``connector`` section of its metrics file); labelled ones
-are added as ``<prefix>.<label>`` keys when first counted (``decision.load``, ``unavailable.pool``)."""
-
-
-def new_counters(counters: dict[str, int] | None = None) -> dict[str, int]:
-    """``counters`` (a new dict when None) with every one of ``COUNTERS`` present."""
-    counters = {} if counters is None else counters
-    for name in COUNTERS:
-        counters.setdefault(name, 0)
-    return counters
-
-
 def tier_unavailable(counters: dict[str, int], name: str, exc: Exception) -> None:
     """A disk or pool directory that cannot be used: serve without it (recompute), loudly."""
-    counters["unavailable_tiers"] += 1
-    counters[f"unavailable.{name}"] = counters.get(f"unavailable.{name}", 0) + 1
+    count(counters, "unavailable_tiers")
+    count(counters, "unavailable", name)
     log.error("kvtier: the %s tier is unavailable and left out; the engine serves without it: %s", name, exc)
 
 

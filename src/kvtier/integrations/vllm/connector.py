@@ -21,8 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, MetricsFile, new_counters
+from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, MetricsFile
 from kvtier.integrations.vllm.config import REQUIRED_LAYOUT, ConnectorConfig, deployment, store_config
+from kvtier.integrations.vllm.counters import new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.scheduler import SchedulerRole
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource, flatten

@@ -59,10 +59,10 @@ from kvtier.integrations.vllm.common import (
     KVTierMetadata,
     KVTierWorkerMeta,
     Transfer,
-    new_counters,
     tier_unavailable,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
+from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.profile import Profile, Profiler
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
@@ -287,7 +287,7 @@ class SchedulerRole:
                                   counters=self.counters)
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
             if extra is None:
-                self.counters["skipped_requests"] += 1
+                count(self.counters, "skipped_requests")
                 state = _Request([], prompt_len)
             else:
                 salt = getattr(request, "cache_salt", None)
@@ -327,7 +327,7 @@ class SchedulerRole:
         return float(value)
 
     def _rejected(self, request: Request, why: str, value: object) -> None:
-        self.counters["rejected_params"] += 1
+        count(self.counters, "rejected_params")
         if why not in self._warned:  # once per kind: a hostile client repeats it a million times
             self._warned.add(why)
             shown = repr(value)
@@ -348,7 +348,7 @@ class SchedulerRole:
             # back with no tokens). Offering the same hit again could fail the same way forever
             # (a tier the scheduler sees but the workers cannot read): recompute it instead.
             state.loading, state.no_hit = False, True
-            self.counters["failed_loads"] += 1
+            count(self.counters, "failed_loads")
         if state.no_hit:
             return 0, False
         first = num_computed_tokens // self.chunk_tokens  # vLLM's own hit covers the chunks before,
@@ -370,7 +370,7 @@ class SchedulerRole:
         if not lookup.future.done():
             if time.monotonic() - lookup.started < self.connector.lookup_timeout_s:
                 return None, False
-            self.counters["lookup_timeouts"] += 1
+            count(self.counters, "lookup_timeouts")
             self._decided(lookup, "timeout", state)
             log.warning("kvtier: lookup of %s took over %.1f s (lookup_timeout_s); scheduled without a hit",
                         request.request_id, self.connector.lookup_timeout_s)
@@ -385,8 +385,8 @@ class SchedulerRole:
         found = len(chunk_tiers) * self.chunk_tokens
         if not lookup.decided:
             asked = (len(state.chunk_ids) - lookup.first) * self.chunk_tokens
-            self.counters["lookup_tokens"] += asked
-            self.counters["miss_tokens"] += asked - len(located) * self.chunk_tokens
+            count(self.counters, "lookup_tokens", n=asked)
+            count(self.counters, "miss_tokens", n=asked - len(located) * self.chunk_tokens)
         # vLLM must compute at least one prompt token itself.
         end = min(found, (state.prompt_len - 1) // self.block_size * self.block_size)
         state.chunk_tiers = chunk_tiers
@@ -408,8 +408,7 @@ class SchedulerRole:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
         if not lookup.decided:
             lookup.decided = True
-            name = f"decision.{decision}"
-            self.counters[name] = self.counters.get(name, 0) + 1
+            count(self.counters, "decision", decision)
             if state.profile is not None:
                 state.profile.decision, state.profile.answered = decision, time.monotonic()
                 state.profile.lookup_done = lookup.done_at
@@ -437,8 +436,8 @@ class SchedulerRole:
             # vLLM parks the request (WAITING_FOR_REMOTE_KVS) with these blocks until every
             # worker reports the load finished; it is not among the next step's scheduled ones.
             if getattr(request, "num_preemptions", 0):
-                self.counters["resumed_loads"] += 1
-            self.counters["async_loads"] += 1
+                count(self.counters, "resumed_loads")
+            count(self.counters, "async_loads")
             transfer = self._emit_load(request.request_id, state)
             self._background_loads.append(replace(transfer, background=True))
             state.loading = True
@@ -479,7 +478,7 @@ class SchedulerRole:
                 if new_blocks is not None:
                     state.block_ids = list(new_blocks[0])
                 if state.load is not None:
-                    self.counters["resumed_loads"] += 1
+                    count(self.counters, "resumed_loads")
                     meta.loads.append(self._emit_load(req_id, state))
                     state.unverified = True
             elif new_blocks is not None:
@@ -509,7 +508,7 @@ class SchedulerRole:
             self.events.remember(state.request, state.chunk_ids, start // self.chunk_tokens,
                                  -(-end // self.chunk_tokens))
         # Counted here, not per lookup: vLLM asks again for a request it could not schedule yet.
-        self.counters["matched_tokens"] += end - start
+        count(self.counters, "matched_tokens", n=end - start)
         if state.profile is not None:
             state.profile.dispatched, state.profile.load_tokens = time.monotonic(), end - start
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
@@ -538,7 +537,7 @@ class SchedulerRole:
         if state.unverified:
             # Planned again at a later step, from vLLM's computed tokens then (rolled back by a
             # failed load): never from KV computed over blocks a load may not have filled.
-            self.counters["unverified_saves"] += 1
+            count(self.counters, "unverified_saves")
             return
         full = min(computed, state.prompt_len) // self.chunk_tokens
         full = min(full, len(state.chunk_ids), len(state.block_ids) // self.blocks_per_chunk)
@@ -571,7 +570,7 @@ class SchedulerRole:
             self.events.remember(request, state.chunk_ids, state.saved_chunks, full)
         self._finishing.append(self._transfer(request.request_id, state, state.saved_chunks * self.chunk_tokens,
                                               full * self.chunk_tokens))
-        self.counters["decode_saves"] += full - state.saved_chunks
+        count(self.counters, "decode_saves", n=full - state.saved_chunks)
         return True
 
     # ---------------------------------------------------------------- the workers' reports

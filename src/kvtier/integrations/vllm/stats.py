@@ -30,6 +30,7 @@ from typing import Any
 from prometheus_client import REGISTRY, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvtier.integrations.vllm.counters import BY_KEY, COUNTERS
 from kvtier.metrics import GAUGES, HELP, TierCounters, tier_metric_name
 from kvtier.tiers.kinds import SHARED
 
@@ -57,41 +58,6 @@ def _tier_metrics() -> list[Metric]:
 LOAD_ERROR_CAUSES = {"failed_reads": "io_error", "timeouts": "timeout", "corrupt_chunks": "corrupt",
                      "read_races": "vanished"}
 
-CONNECTOR_COUNTERS: dict[str, tuple[str, str]] = {
-    # counters-dict key: (metric name, help)
-    "matched_tokens": ("kvtier_matched_tokens_total", "Tokens the scheduler decided to load from kvtier"),
-    "loaded_tokens": ("kvtier_loaded_tokens_total", "Tokens loaded into vLLM's KV cache (first rank)"),
-    "failed_blocks": ("kvtier_load_failed_blocks_total", "vLLM blocks a load could not fill (vLLM recomputed "
-                                                         "them; first rank)"),
-    "saved_chunks": ("kvtier_saved_chunks_total", "Chunks copied out of vLLM's KV cache into kvtier (first rank)"),
-    "decode_saves": ("kvtier_decode_saved_chunks_total", "Chunks of finished requests (prompt and generated "
-                                                         "tokens) queued for saving"),
-    "async_loads": ("kvtier_background_loads_total", "Loads run in the background while the engine ran others"),
-    "resumed_loads": ("kvtier_preempted_loads_total", "Loads of preempted requests, back in new blocks"),
-    "stopped_loads": ("kvtier_stopped_loads_total", "Loads stopped because their request was aborted"),
-    "failed_loads": ("kvtier_failed_loads_total", "Background loads that delivered nothing (request recomputed)"),
-    "lookup_timeouts": ("kvtier_lookup_timeouts_total", "Requests scheduled without a hit: lookup_timeout_s passed"),
-    "skipped_requests": ("kvtier_skipped_requests_total", "Requests kvtier cannot key (prompt embeddings)"),
-    "lookup_tokens": ("kvtier_requested_tokens_total", "Full-chunk prompt tokens past vLLM's own prefix cache hit "
-                                                    "that were looked up"),
-    "miss_tokens": ("kvtier_missed_tokens_total", "Looked-up tokens found in no tier"),
-    "rejected_params": ("kvtier_rejected_request_params_total", "Per-request kv_transfer_params kvtier values "
-                                                                "ignored or clamped (not a number, not finite, "
-                                                                "over max_retain_s)"),
-    "unverified_saves": ("kvtier_unverified_saves_total", "Save plans held back because the request's synchronous "
-                                                          "load had not yet been reported complete by every rank"),
-    "mm_trusted_ids": ("kvtier_mm_trusted_identifiers_total", "Multimodal items keyed by their client-given "
-                                                               "identifier (trust_mm_identifiers) for lack of data"),
-}
-LABELLED_COUNTERS: dict[str, tuple[str, str, str]] = {
-    # counters-dict key prefix ("<prefix>.<label value>"): (metric name, label, help)
-    "decision": ("kvtier_load_decisions_total", "decision",
-                 "What the scheduler did with a request's lookup: load, recompute (predicted slower than "
-                 "prefill), short (under min_load_tokens), miss (nothing past vLLM's own hit), timeout"),
-    "unavailable": ("kvtier_tier_unavailable_total", "tier",
-                    "Times a tier could not be opened or was left out (the engine served without it)"),
-}
-FIRST_RANK_ONLY = ("matched_tokens", "loaded_tokens", "failed_blocks", "saved_chunks", "stopped_loads")
 GAUGE_METRICS = [
     Metric("kvtier_write_queue_chunks", "gauge", "Chunks queued for background writes to disk and pool"),
     Metric("kvtier_loads_in_flight", "gauge", "Background loads running on the first rank"),
@@ -104,8 +70,7 @@ METRICS: list[Metric] = [
     Metric("kvtier_load_errors_total", "counter", "Chunks a load could not read, by cause: io_error, timeout, "
            "corrupt (bad checksum, truncated, foreign), vanished (evicted between lookup and read)",
            ("tier", "cause")),
-    *(Metric(name, "counter", help) for name, help in CONNECTOR_COUNTERS.values()),
-    *(Metric(name, "counter", help, (label,)) for name, label, help in LABELLED_COUNTERS.values()),
+    *(Metric(c.metric, "counter", c.help, (c.label,) if c.label else ()) for c in COUNTERS if c.metric),
     *GAUGE_METRICS,
 ]
 _FIELD_NAMES = [(f.name, tier_metric_name(f.name)) for f in fields(TierCounters)]  # flatten runs every step
@@ -121,13 +86,14 @@ def flatten(counters: Mapping[str, float], tiers: Mapping[str, TierCounters], *,
     out: dict[str, float] = {}
     gauges: dict[str, float] = {}
     for name, value in counters.items():
-        if name in CONNECTOR_COUNTERS:
-            if first_rank or name not in FIRST_RANK_ONLY:
-                out[key(CONNECTOR_COUNTERS[name][0])] = value
-        elif "." in name:
-            prefix, label = name.split(".", 1)
-            if prefix in LABELLED_COUNTERS:
-                out[key(LABELLED_COUNTERS[prefix][0], label)] = value
+        row_key, _, label = name.partition(".")
+        row = BY_KEY.get(row_key)
+        if row is None or row.metric is None or (row.first_rank_only and not first_rank):
+            continue
+        if row.label is None and not label:
+            out[key(row.metric)] = value
+        elif row.label is not None and label:
+            out[key(row.metric, label)] = value
     for tier, snap in tiers.items():
         for name, metric in _FIELD_NAMES:
             if not tier_fields(name):

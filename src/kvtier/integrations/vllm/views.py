@@ -15,6 +15,7 @@ import torch
 from blake3 import blake3
 
 from kvtier.identity import AdapterIdentities
+from kvtier.integrations.vllm.counters import count
 from kvtier.keys import ChunkId
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import leading_held
@@ -103,7 +104,7 @@ def request_extra(request: Request, adapters: AdapterIdentities | None = None, *
             if not trust_mm_identifiers:
                 return None
             if counters is not None:
-                counters["mm_trusted_ids"] = counters.get("mm_trusted_ids", 0) + 1
+                count(counters, "mm_trusted_ids")
             ident = "id:" + str(getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None) or "")
         parts.append(f"mm\0{getattr(feature, 'modality', '')}\0{ident}\0{pos.offset}\0{pos.length}".encode())
     return blake3(b"\0\0".join(parts)).digest() if parts else b""

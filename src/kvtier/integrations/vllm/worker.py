@@ -45,10 +45,10 @@ from kvtier.integrations.vllm.common import (
     KVTierWorkerMeta,
     LoadTime,
     Transfer,
-    new_counters,
     tier_unavailable,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
+from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.keys import ChunkId, shard_id
 from kvtier.store import TieredStore
 from kvtier.threads import Failures, ThreadInit, thread
@@ -242,15 +242,16 @@ class WorkerRole:
             started = got.started or submitted
             self._load_times.append(LoadTime(load.req_id, self.rank, submitted, started, started + got.seconds,
                                              time.monotonic(), n, got.read_s, got.copy_s, slowest))
-        self.counters["loaded_tokens"] += sum(1 for b in load.block_ids[:n * bpc] if b is not None) * self.block_size
+        filled = sum(1 for b in load.block_ids[:n * bpc] if b is not None)
+        count(self.counters, "loaded_tokens", n=filled * self.block_size)
         if got.stopped:
-            self.counters["stopped_loads"] += 1
+            count(self.counters, "stopped_loads")
             return  # an aborted request: vLLM frees its blocks, no recompute to ask for
         failed = [b for b in load.block_ids[n * bpc:] if b is not None]
         log.debug("kvtier: loaded %d of %d chunks of %s in %.1f ms", n, len(load.chunk_ids), load.req_id,
                   got.seconds * 1e3)
         if failed:
-            self.counters["failed_blocks"] += len(failed)
+            count(self.counters, "failed_blocks", n=len(failed))
             log.warning("kvtier: %d of %d chunks of %s could not be loaded on rank %d; vLLM recomputes them",
                         len(load.chunk_ids) - n, len(load.chunk_ids), load.req_id, self.rank)
             self._failed_blocks.update(failed)
@@ -280,7 +281,7 @@ class WorkerRole:
                                     skip_tiers=self.skip_tiers, tag=tag, tenant_salt=save.salt)
                          for j, s in enumerate(self.shards)]
                 if any(saved):
-                    self.counters["saved_chunks"] += 1
+                    count(self.counters, "saved_chunks")
             if save.retain_until is not None:
                 # Chunks host DRAM already had are not written again: retained where they are.
                 mover.store.retain(self._shard_ids(save.chunk_ids), save.retain_until)
