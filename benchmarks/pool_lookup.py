@@ -75,7 +75,7 @@ def request(tokens: list[int], n: int) -> Any:
 
 def populate(role: SchedulerRole, pool: Path, tokens: list[int]) -> int:
     """Every head shard of every chunk of ``tokens``, as TP=8 writers leave them; returns the files."""
-    config = role.config
+    config = role.store_config
     spec = ChunkSpec(config.namespace().digest, DTYPE_CODES[config.layout.dtype],
                      config.layout.shape(CHUNK), config.chunk_bytes)
     files = ChunkFiles(pool)
@@ -120,7 +120,7 @@ def loads(role: SchedulerRole, tokens: list[int]) -> dict[str, Any]:
     """Every TP=8 rank loads the chunks with the tiers the lookup found: lookups of their own, counted."""
     state = role._state(request(tokens, 99))
     found = role.locate(state)
-    dep, config = role.dep, role.config
+    dep, config = role.dep, role.store_config
     delivered, load_lookups, stats = [], 0, 0
     for rank in range(dep.sharding.world_size):
         shards = dep.sharding.shards_of(rank)

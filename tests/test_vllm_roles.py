@@ -595,7 +595,7 @@ def publish_shards(pool: Any, role: SchedulerRole, req: Any, chunks: int, shards
     from kvtier.tiers.base import Chunk
     from kvtier.tiers.files import ChunkFiles
 
-    config, state = role.config, role._state(req)
+    config, state = role.store_config, role._state(req)
     spec = ChunkSpec(config.namespace().digest, DTYPE_CODES[config.layout.dtype],
                      config.layout.shape(config.chunk_tokens), config.chunk_bytes)
     files = ChunkFiles(pool)

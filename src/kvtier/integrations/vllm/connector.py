@@ -63,7 +63,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.connector_config, settings = ConnectorConfig.split(extra)
         self.deployment = deployment(vllm_config, kv_cache_config)
         rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0
-        self.config = store_config(self.connector_config, settings, vllm_config, self.deployment,
+        self.store_config = store_config(self.connector_config, settings, vllm_config, self.deployment,
                                    rank if role == KVConnectorRole.WORKER else None)
         self.counters: dict[str, int] = new_counters()
         self.scheduler: SchedulerRole | None = None
@@ -71,14 +71,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         events_config = getattr(vllm_config, "kv_events_config", None)
         events = bool(events_config is not None and getattr(events_config, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
-            chunk_events = ChunkEvents(self.config.chunk_tokens, self.deployment.block_size,
+            chunk_events = ChunkEvents(self.store_config.chunk_tokens, self.deployment.block_size,
                                        self.deployment.sharding.num_shards,
                                        self.connector_config.events_max_chunks) if events else None
-            self.scheduler = SchedulerRole(self.connector_config, self.config, self.deployment, self.counters,
+            self.scheduler = SchedulerRole(self.connector_config, self.store_config, self.deployment, self.counters,
                                            inject_faults=bool(self.connector_config.inject_faults),
                                            events=chunk_events)
         else:
-            self.worker = WorkerRole(self.connector_config, self.config, self.deployment, rank, self.counters,
+            self.worker = WorkerRole(self.connector_config, self.store_config, self.deployment, rank, self.counters,
                                      events=events)
         # One file per process: "scheduler", "worker" (rank 0), "worker1", ... (other ranks).
         label = role.name.lower() + (str(rank) if rank else "")
@@ -86,7 +86,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats = StatsSource(label, self._read_stats)
         # %s of the configs: their reprs redact secrets (a Redis password, credentials in a URL).
         log.info("kvtier connector (%s, rank %d of %d): %s; %s; %s", role.name, rank,
-                 self.deployment.sharding.world_size, self.connector_config, self.config, self.deployment)
+                 self.deployment.sharding.world_size, self.connector_config, self.store_config, self.deployment)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -183,50 +183,50 @@ class _Answered:
 class SchedulerRole:
     """See the module docstring."""
 
-    def __init__(self, connector: ConnectorConfig, store: StoreConfig, dep: Deployment,
+    def __init__(self, connector_config: ConnectorConfig, store_config: StoreConfig, dep: Deployment,
                  counters: dict[str, int], inject_faults: bool = False, events: ChunkEvents | None = None) -> None:
-        self.connector, self.config, self.dep = connector, store, dep
+        self.connector_config, self.store_config, self.dep = connector_config, store_config, dep
         self.counters = new_counters(counters)
-        self.chunk_tokens = store.chunk_tokens
+        self.chunk_tokens = store_config.chunk_tokens
         self.block_size = dep.block_size
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
-        self.namespace: Namespace = store.namespace(rank=0)
+        self.namespace: Namespace = store_config.namespace(rank=0)
         # Per-tier read bandwidth and the prefill rate: priors until the workers measure them.
-        self.rates = Rates(connector.read_gbps * 1e9, connector.prefill_tokens_per_s)
+        self.rates = Rates(connector_config.read_gbps * 1e9, connector_config.prefill_tokens_per_s)
         self.disabled = False
         self._requests: dict[str, _Request] = {}
         self._idle = True  # the last step scheduled no tokens
         self._lookups = executor(LOOKUP_THREADS, "kvtier-lookup")
         self._background_loads: list[Transfer] = []  # allocated this step, sent with the next metadata
         self._finishing: list[Transfer] = []  # saves of finished requests whose blocks vLLM holds for us
-        self.guard = TierGuard(store.read_timeout_s, store.tier_cooldown_s)
+        self.guard = TierGuard(store_config.read_timeout_s, store_config.tier_cooldown_s)
         self.events = events
         self.host_views: dict[int, HostView] = {}
         self.rank_tiers: dict[int, list[Level]] = self._open_views(inject_faults)
         self.adapters = AdapterIdentities()
         self._warned: set[str] = set()
-        self.profiler = Profiler(connector.profile_file) if connector.profile_file is not None else None
+        self.profiler = Profiler(connector_config.profile_file) if connector_config.profile_file is not None else None
 
     # ---------------------------------------------------------------- the lookup view
 
     def _open_views(self, inject_faults: bool) -> dict[int, list[Level]]:
         pool: Tier | None = None
         try:
-            pool = open_pool_tier(self.config)
+            pool = open_pool_tier(self.store_config)
         except TierUnavailableError as exc:
             tier_unavailable(self.counters, "pool", exc)
-        if pool is not None and inject_faults and pool.name in self.connector.inject_faults:
+        if pool is not None and inject_faults and pool.name in self.connector_config.inject_faults:
             from kvtier.tiers.faulty import FaultyTier
 
-            pool = FaultyTier(pool, **self.connector.inject_faults[pool.name])
+            pool = FaultyTier(pool, **self.connector_config.inject_faults[pool.name])
         self.pool = pool  # one view for all ranks: ``locate`` asks it once per chunk
         views: dict[int, list[Level]] = {}
         for rank in range(self.dep.sharding.world_size):
             tiers: list[Level] = []
-            if self.config.host_bytes > 0:
+            if self.store_config.host_bytes > 0:
                 tiers.append(self.host_views.setdefault(rank, HostView()))
-            if self.config.disk_path is not None:
-                tiers.append(FileLookup("disk", disk_path_of_rank(self.config.disk_path, rank, self.dep)))
+            if self.store_config.disk_path is not None:
+                tiers.append(FileLookup("disk", disk_path_of_rank(self.store_config.disk_path, rank, self.dep)))
             if pool is not None:
                 tiers.append(pool)
             views[rank] = tiers
@@ -283,8 +283,8 @@ class SchedulerRole:
     def _state(self, request: Request) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            extra = request_extra(request, self.adapters, trust_mm_identifiers=self.connector.trust_mm_identifiers,
-                                  counters=self.counters)
+            trust = self.connector_config.trust_mm_identifiers
+            extra = request_extra(request, self.adapters, trust_mm_identifiers=trust, counters=self.counters)
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
             if extra is None:
                 count(self.counters, "skipped_requests")
@@ -310,20 +310,20 @@ class SchedulerRole:
         params = getattr(request, "kv_transfer_params", None) or {}
         mine = params.get("kvtier") if isinstance(params, dict) else None
         if mine is None:
-            return self.connector.retain_s
+            return self.connector_config.retain_s
         if not isinstance(mine, dict):
             self._rejected(request, "kv_transfer_params kvtier must be a mapping", mine)
-            return self.connector.retain_s
+            return self.connector_config.retain_s
         if "retain_s" not in mine:
-            return self.connector.retain_s
+            return self.connector_config.retain_s
         value = mine["retain_s"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             self._rejected(request, "kvtier.retain_s must be a finite number >= 0", value)
-            return self.connector.retain_s
-        if value > self.connector.max_retain_s:
-            self._rejected(request, f"kvtier.retain_s is over max_retain_s={self.connector.max_retain_s:g}; clamped",
-                           value)
-            return self.connector.max_retain_s
+            return self.connector_config.retain_s
+        most = self.connector_config.max_retain_s
+        if value > most:
+            self._rejected(request, f"kvtier.retain_s is over max_retain_s={most:g}; clamped", value)
+            return most
         return float(value)
 
     def _rejected(self, request: Request, why: str, value: object) -> None:
@@ -355,7 +355,7 @@ class SchedulerRole:
         # and they are not saved again: the request that put them in vLLM's prefix cache computed
         # (and saved) or loaded them. Re-gathering them costs other requests' decode steps.
         state.saved_chunks = max(state.saved_chunks, first)
-        if self.connector.load_policy == "never" or self.disabled or not state.chunk_ids:
+        if self.connector_config.load_policy == "never" or self.disabled or not state.chunk_ids:
             return 0, False
         lookup = state.lookup
         if lookup is None or lookup.first > first:
@@ -368,12 +368,12 @@ class SchedulerRole:
             # microseconds, and answering in this call saves the request an engine step.
             cf.wait([lookup.future], timeout=LOOKUP_INLINE_WAIT_S)
         if not lookup.future.done():
-            if time.monotonic() - lookup.started < self.connector.lookup_timeout_s:
+            if time.monotonic() - lookup.started < self.connector_config.lookup_timeout_s:
                 return None, False
             count(self.counters, "lookup_timeouts")
             self._decided(lookup, "timeout", state)
             log.warning("kvtier: lookup of %s took over %.1f s (lookup_timeout_s); scheduled without a hit",
-                        request.request_id, self.connector.lookup_timeout_s)
+                        request.request_id, self.connector_config.lookup_timeout_s)
             state.lookup = None
             return 0, False
         try:
@@ -394,7 +394,7 @@ class SchedulerRole:
         if ext <= 0:
             self._decided(lookup, "miss", state)
             return 0, False
-        if ext < self.connector.min_load_tokens:
+        if ext < self.connector_config.min_load_tokens:
             self._decided(lookup, "short", state)
             return 0, False
         if not self._pays_off(chunk_tiers, num_computed_tokens, end):
@@ -402,7 +402,7 @@ class SchedulerRole:
             return 0, False
         self._decided(lookup, "load", state)
         state.load = (num_computed_tokens, end)
-        return ext, self.connector.load_mode == "async"
+        return ext, self.connector_config.load_mode == "async"
 
     def _decided(self, lookup: _Lookup, decision: str, state: _Request) -> None:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
@@ -416,13 +416,13 @@ class SchedulerRole:
     def predicted_load_s(self, chunk_tiers: Sequence[str], start: int, end: int) -> float:
         """Seconds to read tokens [start, end) whose chunks sit in ``chunk_tiers``."""
         # One rank's shards: ranks read theirs in parallel, and the rates they report were measured doing so.
-        chunk_bytes = self.config.chunk_bytes * self.dep.sharding.rank_shards
+        chunk_bytes = self.store_config.chunk_bytes * self.dep.sharding.rank_shards
         # Whole chunks are read even when only part of one is needed.
         chunks = range(start // self.chunk_tokens, -(-end // self.chunk_tokens))
         return predicted_load_s(Read(chunk_bytes, self.rates.read_rate(chunk_tiers[i])) for i in chunks)
 
     def _pays_off(self, chunk_tiers: Sequence[str], start: int, end: int) -> bool:
-        if self.connector.load_policy == "always":
+        if self.connector_config.load_policy == "always":
             return True
         return pays_off(self.predicted_load_s(chunk_tiers, start, end), self.rates.recompute_s(end - start))
 
@@ -432,7 +432,7 @@ class SchedulerRole:
         state.lookup = None  # scheduled: a later lookup (after a preemption) starts afresh
         if num_external_tokens == 0:
             state.load = None
-        elif self.connector.load_mode == "async" and state.load is not None:
+        elif self.connector_config.load_mode == "async" and state.load is not None:
             # vLLM parks the request (WAITING_FOR_REMOTE_KVS) with these blocks until every
             # worker reports the load finished; it is not among the next step's scheduled ones.
             if getattr(request, "num_preemptions", 0):
@@ -557,7 +557,7 @@ class SchedulerRole:
         """
         state = self._requests.pop(request.request_id, None)
         if state is None or state.namespace is None or state.loading or state.unverified or self.disabled \
-                or not self.connector.save_decode:
+                or not self.connector_config.save_decode:
             return False  # (a request aborted while loading: its blocks are the load's until it ends)
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         full = min(computed // self.chunk_tokens, len(block_ids) // self.blocks_per_chunk)

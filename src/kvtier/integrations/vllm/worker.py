@@ -65,12 +65,12 @@ EVICTIONS_READ_S = 1.0  # how often the first rank reads the pool's eviction log
 class WorkerRole:
     """See the module docstring."""
 
-    def __init__(self, connector: ConnectorConfig, store: StoreConfig, dep: Deployment, rank: int,
+    def __init__(self, connector_config: ConnectorConfig, store_config: StoreConfig, dep: Deployment, rank: int,
                  counters: dict[str, int], events: bool = False) -> None:
-        self.connector, self.config, self.dep, self.rank = connector, store, dep, rank
+        self.connector_config, self.store_config, self.dep, self.rank = connector_config, store_config, dep, rank
         self.counters = new_counters(counters)
         self.block_size = dep.block_size
-        self.chunk_tokens = store.chunk_tokens
+        self.chunk_tokens = store_config.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.shards = dep.sharding.shards_of(rank)  # the head shards (or the one rank shard) it holds
         # Replicas of a shard (MLA's latent KV on every rank) reach the shared pool once.
@@ -96,7 +96,7 @@ class WorkerRole:
         self._evictions: EvictionReader | None = None
         self._sync_loads: list[tuple[str, bool]] = []  # this step's synchronous loads, to report
         self._unavailable: list[str] = []  # tiers this rank's store left out, to report once
-        self.profiles = connector.profile_file is not None  # the scheduler keeps a resume profile
+        self.profiles = connector_config.profile_file is not None  # the scheduler keeps a resume profile
         self._load_times: list[LoadTime] = []
 
     def _disable(self, why: str) -> None:
@@ -153,8 +153,8 @@ class WorkerRole:
 
     def open_store(self) -> None:
         init = self._thread_init()
-        store = TieredStore(self.config, unavailable=self._left_out, thread_init=init)
-        faults = self.connector.inject_faults
+        store = TieredStore(self.store_config, unavailable=self._left_out, thread_init=init)
+        faults = self.connector_config.inject_faults
         if faults:
             from kvtier.tiers.faulty import FaultyTier
 
@@ -237,7 +237,7 @@ class WorkerRole:
         bpc, n = self.blocks_per_chunk, got.num_chunks
         slowest = max(got.chunk_tiers, key=lambda name: self._tier_order.get(name, 0)) if n else ""
         if n:
-            self._reads.append((slowest, n * len(self.shards) * self.config.chunk_bytes, got.seconds))
+            self._reads.append((slowest, n * len(self.shards) * self.store_config.chunk_bytes, got.seconds))
         if self.profiles:
             started = got.started or submitted
             self._load_times.append(LoadTime(load.req_id, self.rank, submitted, started, started + got.seconds,
