@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvtier.integrations.vllm.common import KVTierWorkerMeta
+from kvtier.integrations.vllm.common import KVTierWorkerMeta, SyncLoad
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource, flatten
 from kvtier.keys import shard_id
@@ -167,11 +167,11 @@ def test_a_request_asking_for_retention_sends_it_with_its_saves_and_what_it_alre
                                             scheduled={"r": 2 * CHUNK + 5}))
     assert [len(t.chunk_ids) for t in meta.retains] == [2]  # the two chunks it loaded
     assert meta.saves == []  # computed over its synchronous load: saved once every rank reported it
-    role.update_connector_output(KVTierWorkerMeta(sync_loads=[("r", True)]))
+    role.update_connector_output(KVTierWorkerMeta(sync_loads=[SyncLoad("r", True)]))
     later = role.build_connector_meta(output(cached=[("r", None, 4 * CHUNK + 5)], scheduled={"r": 1}))
     assert [len(t.chunk_ids) for t in later.saves] == [2]  # the two it computed
-    for t in (*meta.retains, *later.saves):
-        assert t.retain_until is not None and now + 590 < t.retain_until < now + 610
+    for until in (*(t.until for t in meta.retains), *(t.retain_until for t in later.saves)):
+        assert until is not None and now + 590 < until < now + 610
 
 
 @pytest.mark.parametrize("params, server, want", [

@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvtier.config import StoreConfig
-from kvtier.integrations.vllm.common import KVTierWorkerMeta
+from kvtier.integrations.vllm.common import KVTierWorkerMeta, SyncLoad
 from kvtier.integrations.vllm.config import (
     ConnectorConfig,
     Sharding,
@@ -548,7 +548,7 @@ def test_a_sync_loads_step_saves_nothing_until_every_rank_reported_it() -> None:
     nxt = role.build_connector_meta(output(cached=[("s", None, 5 * CHUNK + 3)], scheduled={"s": 1}))
     assert nxt.saves == [] and counters["unverified_saves"] == 2
     # A rank could not fill the second chunk: vLLM rolls back to block 2 (chunk 1) and recomputes.
-    role.update_connector_output(KVTierWorkerMeta(sync_loads=[("s", True), ("s", False)]))
+    role.update_connector_output(KVTierWorkerMeta(sync_loads=[SyncLoad("s", True), SyncLoad("s", False)]))
     redo = role.build_connector_meta(output(cached=[("s", None, CHUNK)], scheduled={"s": 4 * CHUNK + 3}))
     (save,) = redo.saves
     assert save.chunk_ids == role._state(req).chunk_ids[1:5]  # recomputed chunks, from the rollback on
@@ -574,7 +574,8 @@ def test_a_tier_a_workers_store_left_out_is_no_longer_looked_up_for_that_rank(tm
     assert [t.name for t in role.rank_tiers[1]] == ["host"] and [t.name for t in role.rank_tiers[0]] == ["host", "disk"]
 
 
-def test_the_connector_reads_its_config_file_itself_secrets_from_the_environment(tmp_path: Any, monkeypatch: Any) -> None:
+def test_the_connector_reads_its_config_file_itself_secrets_from_the_environment(tmp_path: Any,
+                                                                                  monkeypatch: Any) -> None:
     """kvtier serve passes only the file's path through vLLM (its argv and logs); the connector
     reads connector and store settings from it and expands ${VAR} from its own environment."""
     path = tmp_path / "kvtier.yaml"

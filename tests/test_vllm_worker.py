@@ -17,7 +17,7 @@ import torch
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from kvtier.integrations.vllm.common import KVTierMetadata, Transfer
+from kvtier.integrations.vllm.common import KVTierMetadata, Load, Save
 from kvtier.integrations.vllm.config import ConnectorConfig, deployment, store_config
 from kvtier.integrations.vllm.worker import WorkerRole
 from kvtier.keys import ChunkId, Namespace, chunk_ids
@@ -52,7 +52,7 @@ def ids(n: int) -> list[ChunkId]:
 def populate(tmp_path: Any, chunks: int) -> list[torch.Tensor]:
     """Save ``chunks`` chunks from blocks 0.. of a writer's caches into the disk tier."""
     writer, caches = worker(tmp_path, fill=True)
-    writer.wait_for_save(KVTierMetadata(saves=[Transfer("w", ids(chunks), list(range(chunks * BPC)))]))
+    writer.wait_for_save(KVTierMetadata(saves=[Save("w", ids(chunks), list(range(chunks * BPC)))]))
     writer.close()
     return caches
 
@@ -77,7 +77,7 @@ def test_a_background_load_fills_the_blocks_and_is_reported_once_done(tmp_path: 
     slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.05, "max_delay_s": 0.05, "ops": ["load"]}}
     role, caches = worker(tmp_path, {"inject_faults": slow})
     blocks = list(range(20, 20 + 4 * BPC))
-    role.start_load_kv(KVTierMetadata(loads=[Transfer("r", ids(4), blocks, background=True)]))
+    role.start_load_kv(KVTierMetadata(loads=[Load("r", ids(4), blocks, background=True)]))
     assert step(role) == (set(), set(), set())  # still reading: the engine goes on
     assert wait_recved(role, "r") == set()
     for src, dst in zip(source, caches, strict=True):
@@ -90,7 +90,7 @@ def test_chunks_that_cannot_be_read_are_load_errors_reported_with_completion(tmp
     populate(tmp_path, 2)
     role, _ = worker(tmp_path)
     blocks = list(range(30, 30 + 4 * BPC))
-    role.start_load_kv(KVTierMetadata(loads=[Transfer("m", ids(4), blocks, background=True)]))
+    role.start_load_kv(KVTierMetadata(loads=[Load("m", ids(4), blocks, background=True)]))
     assert wait_recved(role, "m") == set(blocks[2 * BPC:])
     assert role.counters["failed_blocks"] == 2 * BPC
     role.close()
@@ -101,7 +101,7 @@ def test_a_request_aborted_while_loading_is_reported_and_its_blocks_are_not_writ
     slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.2, "max_delay_s": 0.2, "ops": ["load"]}}
     role, caches = worker(tmp_path, {"inject_faults": slow, "io_threads": 1})
     blocks = list(range(40, 40 + 6 * BPC))
-    role.start_load_kv(KVTierMetadata(loads=[Transfer("x", ids(6), blocks, background=True)]))
+    role.start_load_kv(KVTierMetadata(loads=[Load("x", ids(6), blocks, background=True)]))
     t0 = time.monotonic()
     assert wait_recved(role, "x", finished={"x"}) == set()  # aborted: nothing to recompute
     assert time.monotonic() - t0 < 6 * 0.2  # it stopped early instead of reading everything
@@ -114,7 +114,7 @@ def test_a_request_aborted_while_loading_is_reported_and_its_blocks_are_not_writ
 
 def test_a_finished_requests_held_blocks_are_released_once_copied(tmp_path: Any) -> None:
     role, _ = worker(tmp_path, fill=True)
-    meta = KVTierMetadata(saves=[Transfer("f", ids(2), list(range(2 * BPC)))], finished=["f"])
+    meta = KVTierMetadata(saves=[Save("f", ids(2), list(range(2 * BPC)))], finished=["f"])
     role.wait_for_save(meta)
     sent, recved, _ = step(role, {"f"})
     assert sent == {"f"} and recved == set() and role.counters["saved_chunks"] == 2
@@ -124,7 +124,7 @@ def test_a_finished_requests_held_blocks_are_released_once_copied(tmp_path: Any)
 def test_a_disabled_worker_still_answers_every_load_and_held_request(tmp_path: Any) -> None:
     role, _ = worker(tmp_path)
     role._disable("test")
-    role.start_load_kv(KVTierMetadata(loads=[Transfer("d", ids(1), list(range(BPC)), background=True)]))
+    role.start_load_kv(KVTierMetadata(loads=[Load("d", ids(1), list(range(BPC)), background=True)]))
     role.wait_for_save(KVTierMetadata(finished=["h"]))
     assert step(role) == ({"h"}, {"d"}, set(range(BPC)))
     role.close()
@@ -134,11 +134,11 @@ def test_a_salted_requests_chunks_load_in_an_instance_with_another_default_tenan
     """Files are written and checked under the request's namespace (its cache_salt), not the
     instance's default tenant: tenant A's chunks written by one instance load in another."""
     writer, source = worker(tmp_path, {"tenant_salt": "instance-a"}, fill=True)
-    writer.wait_for_save(KVTierMetadata(saves=[Transfer("w", ids(2), list(range(2 * BPC)), salt="tenant-a")]))
+    writer.wait_for_save(KVTierMetadata(saves=[Save("w", ids(2), list(range(2 * BPC)), salt="tenant-a")]))
     writer.close()
     reader, caches = worker(tmp_path, {"tenant_salt": "instance-b"})
     blocks = list(range(10, 10 + 2 * BPC))
-    reader.start_load_kv(KVTierMetadata(loads=[Transfer("r", ids(2), blocks, background=True, salt="tenant-a")]))
+    reader.start_load_kv(KVTierMetadata(loads=[Load("r", ids(2), blocks, background=True, salt="tenant-a")]))
     assert wait_recved(reader, "r") == set()
     assert all(torch.equal(s[:2 * BPC], c[blocks]) for s, c in zip(source, caches, strict=True))
     reader.close()
@@ -147,8 +147,8 @@ def test_a_salted_requests_chunks_load_in_an_instance_with_another_default_tenan
 def test_a_sync_load_is_reported_with_whether_it_delivered_everything(tmp_path: Any) -> None:
     populate(tmp_path, 2)
     role, _ = worker(tmp_path)
-    role.start_load_kv(KVTierMetadata(loads=[Transfer("ok", ids(2), list(range(20, 20 + 2 * BPC))),
-                                             Transfer("short", ids(3), list(range(30, 30 + 3 * BPC)))]))
+    role.start_load_kv(KVTierMetadata(loads=[Load("ok", ids(2), list(range(20, 20 + 2 * BPC))),
+                                             Load("short", ids(3), list(range(30, 30 + 3 * BPC)))]))
     report = role.report()
     assert report is not None and report.sync_loads == [("ok", True), ("short", False)]
     assert role.report() is None  # reported once

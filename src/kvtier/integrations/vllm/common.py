@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -28,8 +28,8 @@ METRICS_INTERVAL_S = 5.0  # how often a running connector rewrites its metrics_f
 
 
 @dataclass(frozen=True)
-class Transfer:
-    """Chunks of one request, and the blocks they map to.
+class Load:
+    """Chunks of one request to read into its blocks before the forward pass.
 
     ``block_ids[j]`` is the vLLM block of the j-th block covered by ``chunk_ids`` (None: leave
     that block alone, its tokens are already computed or beyond the load).
@@ -39,16 +39,67 @@ class Transfer:
     chunk_ids: list[ChunkId]
     block_ids: list[int | None]
     background: bool = False
-    """A load: read in the background and report completion through ``get_finished``."""
+    """Read in the background and report completion through ``get_finished``."""
     salt: str | None = None
-    """The request's ``cache_salt`` (None: the store's own tenant): chunk files are written and
+    """The request's ``cache_salt`` (None: the store's own tenant): chunk files are read and
     checked under the namespace their keys were made in."""
+    chunk_tiers: tuple[str, ...] = ()
+    """The tier the scheduler's lookup found each chunk in (the slowest any rank reads it from);
+    the workers read from there without looking the chunks up again. Empty: look up."""
+
+
+@dataclass(frozen=True)
+class Save:
+    """Chunks of one request to copy out of its blocks after the forward pass (``block_ids`` as
+    in ``Load``; a chunk with any None block is not saved)."""
+
+    req_id: str
+    chunk_ids: list[ChunkId]
+    block_ids: list[int | None]
+    salt: str | None = None
     retain_until: float | None = None
     """Keep these chunks in the disk tier and the pool ahead of unretained ones until then
     (epoch seconds): the request's session asked for retention."""
-    chunk_tiers: tuple[str, ...] = ()
-    """A load: the tier the scheduler's lookup found each chunk in (the slowest any rank reads it
-    from); the workers read from there without looking the chunks up again. Empty: look up."""
+
+
+@dataclass(frozen=True)
+class Retain:
+    """Chunks a retained session already had when it was scheduled (vLLM's own hit, its load):
+    kept in the disk tier and the pool until ``until`` (epoch seconds) like its saves."""
+
+    req_id: str
+    chunk_ids: list[ChunkId]
+    until: float
+
+
+class ReadSample(NamedTuple):
+    """One rank's load: ``nbytes`` in ``seconds``, from ``tier`` (the slowest it read from)."""
+
+    tier: str
+    nbytes: int
+    seconds: float
+
+
+class PrefillSample(NamedTuple):
+    """A forward pass that computed ``tokens`` tokens in ``seconds``."""
+
+    tokens: int
+    seconds: float
+
+
+class TierChange(NamedTuple):
+    """The first rank's ``tier`` added (or removed) the chunk whose shard key is ``key``."""
+
+    tier: str
+    added: bool
+    key: bytes
+
+
+class SyncLoad(NamedTuple):
+    """A synchronous load of ``req_id`` ran this step; ``complete``: it delivered every chunk."""
+
+    req_id: str
+    complete: bool
 
 
 @dataclass(frozen=True)
@@ -72,12 +123,10 @@ class LoadTime:
 class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One scheduler step's work for every worker: loads before the forward pass, saves after."""
 
-    loads: list[Transfer] = field(default_factory=list)
-    saves: list[Transfer] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
     num_tokens: int = 0  # tokens this step computes (for the worker's prefill rate)
-    retains: list[Transfer] = field(default_factory=list)
-    """Chunks a retained session already had when it was scheduled (vLLM's own hit, its load):
-    kept like its saves (``Transfer.retain_until``; no blocks)."""
+    retains: list[Retain] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     """Finished requests whose blocks vLLM holds for kvtier (``request_finished`` said so):
     each rank reports them in ``get_finished`` once this step's saves of them are copied."""
@@ -88,23 +137,23 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """What the workers tell the scheduler after a step.
 
     ``host_changes``: per rank, ``(added, key)`` events of that rank's host tier, oldest first
-    (keys are the rank's shard keys). ``reads``: one ``(tier, bytes, seconds)`` per load, the
-    slowest tier it read from. ``prefill``: ``(tokens, seconds)`` of a forward pass that
-    computed many tokens. ``disabled``: ranks whose connector turned itself off (a KV layout it
-    cannot handle): the scheduler stops reporting hits. ``tier_changes``: ``(tier, added, key)``
-    of the first rank's disk and pool tiers (with KV events on), evictions by other instances too.
-    ``sync_loads``: ``(request, delivered every chunk)`` of each synchronous load this step ran:
+    (keys are the rank's shard keys). ``reads``: one ``ReadSample`` per load. ``prefill``: a
+    ``PrefillSample`` of each forward pass that computed many tokens. ``disabled``: ranks whose
+    connector turned itself off (a KV layout it cannot handle): the scheduler stops reporting
+    hits. ``tier_changes``: ``TierChange``s of the first rank's disk and pool tiers (with KV
+    events on), evictions by other instances too.
+    ``sync_loads``: a ``SyncLoad`` for each synchronous load this step ran:
     until every rank reported it, the scheduler saves none of that request's chunks (they were
     computed over the loaded blocks). ``unavailable``: per rank, tiers its store left out (a
     directory it could not open): the scheduler stops looking there for that rank.
     """
 
     host_changes: dict[int, list[tuple[bool, bytes]]] = field(default_factory=dict)
-    reads: list[tuple[str, int, float]] = field(default_factory=list)
-    prefill: list[tuple[int, float]] = field(default_factory=list)
+    reads: list[ReadSample] = field(default_factory=list)
+    prefill: list[PrefillSample] = field(default_factory=list)
     disabled: list[int] = field(default_factory=list)
-    tier_changes: list[tuple[str, bool, bytes]] = field(default_factory=list)
-    sync_loads: list[tuple[str, bool]] = field(default_factory=list)
+    tier_changes: list[TierChange] = field(default_factory=list)
+    sync_loads: list[SyncLoad] = field(default_factory=list)
     unavailable: dict[int, list[str]] = field(default_factory=dict)
     load_times: list[LoadTime] = field(default_factory=list)
     """One per load that ended this step, when the scheduler keeps a resume profile."""

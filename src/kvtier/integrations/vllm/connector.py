@@ -26,7 +26,7 @@ from kvtier.integrations.vllm.config import REQUIRED_LAYOUT, ConnectorConfig, de
 from kvtier.integrations.vllm.counters import new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.scheduler import SchedulerRole
-from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource, flatten
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource
 from kvtier.integrations.vllm.worker import WorkerRole
 
 if TYPE_CHECKING:
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOOKUP_FIELDS = ("lookups", "lookup_tokens", "hit_chunks", "hit_tokens", "timeouts")
-"""Tier counters the scheduler counts (its lookups); the workers count every other one."""
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -192,24 +190,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _read_stats(self) -> tuple[dict[str, float], dict[str, float]]:
-        """(counters, gauges) of this process for ``stats.StatsSource``."""
-        counters: dict[str, float] = dict(self.counters)
-        if self.scheduler is not None:
-            views = {t.name: t.metrics.snapshot() for t in self.scheduler.rank_tiers.get(0, [])}
-            out, _ = flatten(counters, views, first_rank=True, tier_fields=LOOKUP_FIELDS.__contains__)
-            gauges = {"kvtier_lookups_in_flight": float(self.scheduler.lookups_in_flight()),
-                      "kvtier_disabled": float(self.scheduler.disabled)}
-            return out, gauges
-        assert self.worker is not None
-        worker, store = self.worker, self.worker.store
-        tiers = {t.name: t.metrics.snapshot() for t in store.levels} if store is not None else {}
-        out, gauges = flatten(counters, tiers, first_rank=worker.rank == 0,
-                              tier_fields=lambda name: name not in LOOKUP_FIELDS)
-        gauges["kvtier_write_queue_chunks"] = float(store.write_queue if store is not None else 0)
-        if worker.rank == 0:
-            gauges["kvtier_loads_in_flight"] = float(worker.loads_in_flight)
-        gauges["kvtier_disabled"] = float(worker.disabled)
-        return out, gauges
+        """(counters, gauges) of this process for ``stats.StatsSource``: its role's own."""
+        role = self.scheduler or self.worker
+        assert role is not None
+        return role.stats()
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -13,7 +13,7 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
   rank can read (its own host DRAM or disk, or the pool). The shared pool is asked once per
   chunk for all ranks (its first shard: shards of a chunk are written together and age
   together), in parallel across the request's chunks; the workers then read each chunk from
-  the tier found here (``Transfer.chunk_tiers``), without a second lookup. A shard missing
+  the tier found here (``Load.chunk_tiers``), without a second lookup. A shard missing
   after all costs a failed load that vLLM recomputes, never a wrong byte.
 * Lookups: once per request (until it is scheduled), for the chunks past vLLM's own prefix
   cache hit, in the background; vLLM is told "not yet" (None) until it is done, for at most
@@ -26,7 +26,7 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
   its hit is loaded into its new blocks exactly like a new request's.
 * Retention: a request's ``kv_transfer_params: {"kvtier": {"retain_s": N}}`` (else the
   ``retain_s`` setting) keeps its session's chunks in the disk tier and the pool ahead of
-  unretained ones for N seconds after its last save (``Transfer.retain_until``).
+  unretained ones for N seconds after its last save (``Save.retain_until``).
 * KV events (with vLLM's ``--kv-events-config``): see ``events.py``.
 * Saves: every prompt chunk that a step completes; chunks vLLM's own prefix cache served are
   not saved again. When a request finishes (``save_decode``), the full chunks of its prompt and
@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 from kvtier.config import StoreConfig
@@ -58,13 +58,16 @@ from kvtier.identity import AdapterIdentities
 from kvtier.integrations.vllm.common import (
     KVTierMetadata,
     KVTierWorkerMeta,
-    Transfer,
+    Load,
+    Retain,
+    Save,
     tier_unavailable,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
 from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.profile import Profile, Profiler
+from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
 from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
 from kvtier.policy import Rates, Read, pays_off, predicted_load_s
@@ -197,8 +200,8 @@ class SchedulerRole:
         self._requests: dict[str, _Request] = {}
         self._idle = True  # the last step scheduled no tokens
         self._lookups = executor(LOOKUP_THREADS, "kvtier-lookup")
-        self._background_loads: list[Transfer] = []  # allocated this step, sent with the next metadata
-        self._finishing: list[Transfer] = []  # saves of finished requests whose blocks vLLM holds for us
+        self._background_loads: list[Load] = []  # allocated this step, sent with the next metadata
+        self._finishing: list[Save] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store_config.read_timeout_s, store_config.tier_cooldown_s)
         self.events = events
         self.host_views: dict[int, HostView] = {}
@@ -438,8 +441,7 @@ class SchedulerRole:
             if getattr(request, "num_preemptions", 0):
                 count(self.counters, "resumed_loads")
             count(self.counters, "async_loads")
-            transfer = self._emit_load(request.request_id, state)
-            self._background_loads.append(replace(transfer, background=True))
+            self._background_loads.append(self._emit_load(request.request_id, state, background=True))
             state.loading = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
@@ -460,7 +462,7 @@ class SchedulerRole:
             state.block_ids = list(new.block_ids[0])
             state.loading = False
             if state.load is not None:
-                meta.loads.append(self._emit_load(new.req_id, state))
+                meta.loads.append(self._emit_load(new.req_id, state, background=False))
                 state.unverified = True
             self._retain_had(meta, new.req_id, state)
             self._recomputes_from(state, new.num_computed_tokens)
@@ -479,7 +481,7 @@ class SchedulerRole:
                     state.block_ids = list(new_blocks[0])
                 if state.load is not None:
                     count(self.counters, "resumed_loads")
-                    meta.loads.append(self._emit_load(req_id, state))
+                    meta.loads.append(self._emit_load(req_id, state, background=False))
                     state.unverified = True
             elif new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
@@ -498,10 +500,9 @@ class SchedulerRole:
         """A retained session's chunks it did not compute (vLLM's hit, a load) are kept too."""
         if state.retain_s > 0 and not state.retained and state.saved_chunks:
             state.retained = True
-            meta.retains.append(Transfer(req_id, state.chunk_ids[:state.saved_chunks], [], salt=state.salt,
-                                         retain_until=time.time() + state.retain_s))
+            meta.retains.append(Retain(req_id, state.chunk_ids[:state.saved_chunks], time.time() + state.retain_s))
 
-    def _emit_load(self, req_id: str, state: _Request) -> Transfer:
+    def _emit_load(self, req_id: str, state: _Request, background: bool) -> Load:
         assert state.load is not None
         start, end = state.load
         if self.events is not None and state.request is not None:
@@ -513,25 +514,27 @@ class SchedulerRole:
             state.profile.dispatched, state.profile.load_tokens = time.monotonic(), end - start
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
         state.load = None
-        transfer = self._transfer(req_id, state, start, end)
         c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
         found = tuple(state.chunk_tiers[c0:c1])
-        return replace(transfer, chunk_tiers=found) if len(found) == c1 - c0 else transfer
+        return Load(req_id, state.chunk_ids[c0:c1], self._blocks(state, start, end), background, state.salt,
+                    found if len(found) == c1 - c0 else ())
 
     def _recomputes_from(self, state: _Request, computed: int) -> None:
         """vLLM computes from ``computed`` on (a failed load, a preemption): save those chunks again."""
         if computed < state.saved_chunks * self.chunk_tokens:
             state.saved_chunks = computed // self.chunk_tokens
 
-    def _transfer(self, req_id: str, state: _Request, start: int, end: int) -> Transfer:
-        """Chunks covering tokens [start, end); blocks outside that range are left alone."""
+    def _blocks(self, state: _Request, start: int, end: int) -> list[int | None]:
+        """The blocks of the chunks covering tokens [start, end); None outside that range."""
         c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
         b_lo, b_hi = start // self.block_size, end // self.block_size
-        blocks: list[int | None] = []
-        for b in range(c0 * self.blocks_per_chunk, c1 * self.blocks_per_chunk):
-            blocks.append(state.block_ids[b] if b_lo <= b < b_hi and b < len(state.block_ids) else None)
+        return [state.block_ids[b] if b_lo <= b < b_hi and b < len(state.block_ids) else None
+                for b in range(c0 * self.blocks_per_chunk, c1 * self.blocks_per_chunk)]
+
+    def _save(self, req_id: str, state: _Request, start: int, end: int) -> Save:
+        c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
         until = time.time() + state.retain_s if state.retain_s > 0 else None
-        return Transfer(req_id, state.chunk_ids[c0:c1], blocks, salt=state.salt, retain_until=until)
+        return Save(req_id, state.chunk_ids[c0:c1], self._blocks(state, start, end), state.salt, until)
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, state: _Request, computed: int) -> None:
         if state.unverified:
@@ -542,8 +545,8 @@ class SchedulerRole:
         full = min(computed, state.prompt_len) // self.chunk_tokens
         full = min(full, len(state.chunk_ids), len(state.block_ids) // self.blocks_per_chunk)
         if full > state.saved_chunks:
-            meta.saves.append(self._transfer(req_id, state, state.saved_chunks * self.chunk_tokens,
-                                             full * self.chunk_tokens))
+            meta.saves.append(self._save(req_id, state, state.saved_chunks * self.chunk_tokens,
+                                         full * self.chunk_tokens))
             if self.events is not None and state.request is not None:
                 self.events.remember(state.request, state.chunk_ids, state.saved_chunks, full)
             state.saved_chunks = full
@@ -568,8 +571,8 @@ class SchedulerRole:
         state.block_ids = list(block_ids)
         if self.events is not None:
             self.events.remember(request, state.chunk_ids, state.saved_chunks, full)
-        self._finishing.append(self._transfer(request.request_id, state, state.saved_chunks * self.chunk_tokens,
-                                              full * self.chunk_tokens))
+        self._finishing.append(self._save(request.request_id, state, state.saved_chunks * self.chunk_tokens,
+                                          full * self.chunk_tokens))
         count(self.counters, "decode_saves", n=full - state.saved_chunks)
         return True
 
@@ -581,10 +584,10 @@ class SchedulerRole:
             self.disabled = True
             log.error("kvtier: worker rank(s) %s disabled the connector (see their log); no more hits are "
                       "reported and the engine serves by recomputing", sorted(set(meta.disabled)))
-        for req_id, _complete in meta.sync_loads:
+        for sync in meta.sync_loads:
             # A load that fell short is vLLM's to repair (it recomputes from the first block a
             # rank could not fill, rolling back the tokens it computed); saves resume from there.
-            state = self._requests.get(req_id)
+            state = self._requests.get(sync.req_id)
             if state is not None:
                 state.unverified = False
         for rank, names in meta.unavailable.items():
@@ -599,12 +602,12 @@ class SchedulerRole:
                 for added, key in changes:
                     self.events.changed("host", added, key)
         if self.events is not None:
-            for tier, added, key in meta.tier_changes:
-                self.events.changed(tier, added, key)
-        for tier, nbytes, seconds in meta.reads:
-            self.rates.observe_read(tier, nbytes, seconds)
-        for tokens, seconds in meta.prefill:
-            self.rates.observe_prefill(tokens, seconds)
+            for change in meta.tier_changes:
+                self.events.changed(change.tier, change.added, change.key)
+        for read in meta.reads:
+            self.rates.observe_read(read.tier, read.nbytes, read.seconds)
+        for sample in meta.prefill:
+            self.rates.observe_prefill(sample.tokens, sample.seconds)
 
     def _drop_views(self, rank: int, names: Sequence[str]) -> None:
         """Rank ``rank``'s store left these tiers out: stop finding chunks there for it (each such
@@ -625,6 +628,13 @@ class SchedulerRole:
 
     def take_events(self) -> list[Any]:
         return self.events.take() if self.events is not None else []
+
+    def stats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(counters, gauges) for vLLM's /metrics (``stats.flatten``): the lookups' tier counters."""
+        views = {t.name: t.metrics.snapshot() for t in self.rank_tiers.get(0, [])}
+        out, _ = flatten(dict(self.counters), views, first_rank=True, tier_fields=LOOKUP_FIELDS.__contains__)
+        gauges = {"kvtier_lookups_in_flight": float(self.lookups_in_flight()), "kvtier_disabled": float(self.disabled)}
+        return out, gauges
 
     def snapshot(self) -> dict[str, Any]:
         tiers = {t.name: asdict(t.metrics.snapshot()) for t in self.rank_tiers.get(0, [])}

@@ -34,6 +34,8 @@ from kvtier.integrations.vllm.counters import BY_KEY, COUNTERS
 from kvtier.metrics import GAUGES, HELP, TierCounters, tier_metric_name
 from kvtier.tiers.kinds import SHARED
 
+LOOKUP_FIELDS = ("lookups", "lookup_tokens", "hit_chunks", "hit_tokens", "timeouts")
+"""Tier counters the scheduler counts (its lookups); the workers count every other one."""
 SEP = "|"  # data keys: "<metric name>|<label value>|..." (msgpack-friendly strings)
 
 

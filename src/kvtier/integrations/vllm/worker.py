@@ -29,6 +29,7 @@ pool. The bytes move through ``PageMover`` (``integrations/transfer.py``: stream
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -43,15 +44,21 @@ from kvtier.integrations.transfer import Loaded, LoadJob, PageMover
 from kvtier.integrations.vllm.common import (
     KVTierMetadata,
     KVTierWorkerMeta,
+    Load,
     LoadTime,
-    Transfer,
+    PrefillSample,
+    ReadSample,
+    SyncLoad,
+    TierChange,
     tier_unavailable,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
 from kvtier.integrations.vllm.counters import count, new_counters
+from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
 from kvtier.keys import ChunkId, shard_id
 from kvtier.store import TieredStore
 from kvtier.threads import Failures, ThreadInit, thread
+from kvtier.tiers import kinds
 from kvtier.tiers.base import Tier
 from kvtier.tiers.kinds import SHARED
 
@@ -81,20 +88,19 @@ class WorkerRole:
         self.disabled = False
         self._reported_disabled = False
         self._failed_blocks: set[int] = set()
-        self._jobs: dict[str, tuple[LoadJob, Transfer]] = {}
+        self._jobs: dict[str, tuple[LoadJob, Load]] = {}
         self._recved: set[str] = set()  # background loads done, to report
         self._idle = False  # the bound step runs no forward pass
         self._holding: set[str] = set()  # finished requests whose blocks vLLM holds for our saves
         self._forward: tuple[int, Any] | None = None  # (tokens, start) of a forward pass being timed
         self._timed: list[tuple[int, Any, Any]] = []  # CUDA: (tokens, start, end) events not yet complete
-        self._prefill_samples: list[tuple[int, float]] = []
-        self._reads: list[tuple[str, int, float]] = []
-        self._tier_order: dict[str, int] = {}
+        self._prefill_samples: list[PrefillSample] = []
+        self._reads: list[ReadSample] = []
         # KV events: the first rank reports its disk and pool changes (and the pool's evictions
         # by anyone) to the scheduler, which publishes them.
         self.events = events and rank == 0
         self._evictions: EvictionReader | None = None
-        self._sync_loads: list[tuple[str, bool]] = []  # this step's synchronous loads, to report
+        self._sync_loads: list[SyncLoad] = []  # this step's synchronous loads, to report
         self._unavailable: list[str] = []  # tiers this rank's store left out, to report once
         self.profiles = connector_config.profile_file is not None  # the scheduler keeps a resume profile
         self._load_times: list[LoadTime] = []
@@ -173,7 +179,6 @@ class WorkerRole:
                     tier.journal.enable()
             # The pool's eviction log lives on a shared filesystem: read off the engine thread.
             self._evictions = EvictionReader(store.tiers, EVICTIONS_READ_S, init)
-        self._tier_order = {t.name: i for i, t in enumerate(store.levels)}
         self.store = store
         if self.paged is not None:
             self.mover = PageMover(self.paged, store, self.blocks_per_chunk, thread_init=init)
@@ -216,13 +221,13 @@ class WorkerRole:
             if mover is not None and not load.background:
                 got = mover.load(ids, load.block_ids, tenant_salt=load.salt, tiers=tiers)
                 self._finish_load(load, got, got.started)
-                self._sync_loads.append((load.req_id, got.num_chunks == len(load.chunk_ids)))
+                self._sync_loads.append(SyncLoad(load.req_id, got.num_chunks == len(load.chunk_ids)))
             elif mover is None:  # disabled: every block is a load error, and a background load is over
                 self._finish_load(load, Loaded(0, (), 0.0), time.monotonic())
                 if load.background:
                     self._recved.add(load.req_id)
                 else:
-                    self._sync_loads.append((load.req_id, False))
+                    self._sync_loads.append(SyncLoad(load.req_id, False))
             else:
                 self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids, tenant_salt=load.salt,
                                                              tiers=tiers), load)
@@ -232,12 +237,12 @@ class WorkerRole:
         n = self.dep.sharding.num_shards
         return [shard_id(c, s, n) for c in ids for s in self.shards]
 
-    def _finish_load(self, load: Transfer, got: Loaded, submitted: float) -> None:
+    def _finish_load(self, load: Load, got: Loaded, submitted: float) -> None:
         """Count a load that is over; its blocks past the delivered chunks are load errors."""
         bpc, n = self.blocks_per_chunk, got.num_chunks
-        slowest = max(got.chunk_tiers, key=lambda name: self._tier_order.get(name, 0)) if n else ""
+        slowest = functools.reduce(kinds.slowest, got.chunk_tiers) if n else ""
         if n:
-            self._reads.append((slowest, n * len(self.shards) * self.store_config.chunk_bytes, got.seconds))
+            self._reads.append(ReadSample(slowest, n * len(self.shards) * self.store_config.chunk_bytes, got.seconds))
         if self.profiles:
             started = got.started or submitted
             self._load_times.append(LoadTime(load.req_id, self.rank, submitted, started, started + got.seconds,
@@ -261,7 +266,7 @@ class WorkerRole:
             tokens, start = self._forward
             self._forward = None
             if isinstance(start, float):
-                self._prefill_samples.append((tokens, time.perf_counter() - start))
+                self._prefill_samples.append(PrefillSample(tokens, time.perf_counter() - start))
             else:
                 self._timed.append((tokens, start, self._mark()))
         self._collect_timings()
@@ -286,14 +291,13 @@ class WorkerRole:
                 # Chunks host DRAM already had are not written again: retained where they are.
                 mover.store.retain(self._shard_ids(save.chunk_ids), save.retain_until)
         for keep in meta.retains:
-            if keep.retain_until is not None:
-                mover.store.retain(self._shard_ids(keep.chunk_ids), keep.retain_until)
+            mover.store.retain(self._shard_ids(keep.chunk_ids), keep.until)
 
     def _collect_timings(self) -> None:
         """Prefill times measured with CUDA events, once the GPU has run them."""
         while self._timed and self._timed[0][2].query():
             tokens, start, end = self._timed.pop(0)
-            self._prefill_samples.append((tokens, start.elapsed_time(end) / 1e3))
+            self._prefill_samples.append(PrefillSample(tokens, start.elapsed_time(end) / 1e3))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose held blocks were copied, requests whose background load is over)."""
@@ -316,16 +320,16 @@ class WorkerRole:
         self._holding -= sent
         return sent or None, recved or None
 
-    def _tier_changes(self) -> list[tuple[str, bool, bytes]]:
+    def _tier_changes(self) -> list[TierChange]:
         """The disk and pool tiers' changes since the last report (first rank, KV events on)."""
         if not self.events or self.store is None:
             return []
-        out: list[tuple[str, bool, bytes]] = []
+        out: list[TierChange] = []
         for tier in self.store.tiers:
             if tier.journal is not None:  # host DRAM's changes travel apart: host_changes
-                out.extend((tier.name, added, key) for added, key in tier.journal.drain())
+                out.extend(TierChange(tier.name, added, key) for added, key in tier.journal.drain())
         if self._evictions is not None:
-            out.extend((name, False, key) for name, key in self._evictions.drain())
+            out.extend(TierChange(name, False, key) for name, key in self._evictions.drain())
         return out
 
     def report(self) -> KVTierWorkerMeta | None:
@@ -354,6 +358,19 @@ class WorkerRole:
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def stats(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(counters, gauges) for vLLM's /metrics (``stats.flatten``): every tier counter but the
+        scheduler's lookups; request-level counters on the first rank only."""
+        store = self.store
+        tiers = {t.name: t.metrics.snapshot() for t in store.levels} if store is not None else {}
+        out, gauges = flatten(dict(self.counters), tiers, first_rank=self.rank == 0,
+                              tier_fields=lambda name: name not in LOOKUP_FIELDS)
+        gauges["kvtier_write_queue_chunks"] = float(store.write_queue if store is not None else 0)
+        if self.rank == 0:
+            gauges["kvtier_loads_in_flight"] = float(self.loads_in_flight)
+        gauges["kvtier_disabled"] = float(self.disabled)
+        return out, gauges
 
     def snapshot(self) -> dict[str, Any]:
         return self.store.metrics_snapshot() if self.store is not None else {}
