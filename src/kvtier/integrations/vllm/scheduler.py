@@ -37,9 +37,8 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
   and each tier's read bandwidth from the workers' own loads. Until measured, ``read_gbps``
   (host DRAM: 10x) stands in.
 
-Over 400 lines on purpose: one state machine over vLLM's request lifecycle (lookup, load,
-save, finish, preemption) whose steps share the per-request state ``_Request``; the lookup
-views are in ``views.py``, KV events in ``events.py``.
+The per-request state is ``requests.RequestState``; the lookup view of the ranks' tiers is
+``lookup.RankTiers``; KV events are ``events.py``; the load decision's rule is ``kvtier.policy``.
 """
 
 from __future__ import annotations
@@ -49,11 +48,10 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, overload
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import StoreConfig
-from kvtier.errors import TierUnavailableError
 from kvtier.identity import AdapterIdentities
 from kvtier.integrations.vllm.common import (
     KVTierMetadata,
@@ -61,22 +59,20 @@ from kvtier.integrations.vllm.common import (
     Load,
     Retain,
     Save,
-    tier_unavailable,
 )
-from kvtier.integrations.vllm.config import ConnectorConfig, Deployment, disk_path_of_rank
+from kvtier.integrations.vllm.config import ConnectorConfig, Deployment
 from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
-from kvtier.integrations.vllm.profile import Profile, Profiler
+from kvtier.integrations.vllm.lookup import RankTiers, ShardIds
+from kvtier.integrations.vllm.profile import Profiler
+from kvtier.integrations.vllm.requests import PendingLookup, RequestState
 from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
-from kvtier.integrations.vllm.views import FileLookup, HostView, request_extra
-from kvtier.keys import ChunkId, Namespace, chunk_ids, shard_id
+from kvtier.integrations.vllm.views import request_extra
+from kvtier.keys import Namespace, chunk_ids
 from kvtier.policy import Rates, Read, pays_off, predicted_load_s
 from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
-from kvtier.tiers.kinds import slowest
-from kvtier.tiers.locate import locate
-from kvtier.tiers.opening import open_pool_tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,98 +85,6 @@ LOOKUP_THREADS = 2
 LOOKUP_INLINE_WAIT_S = 0.002
 """While the engine is idle, the longest the scheduler waits for a request's lookup in one
 call before answering "not yet" (a busy engine never waits)."""
-
-
-@dataclass
-class _Lookup:
-    """A background lookup of chunks ``first..`` of a request (``future`` yields their tiers)."""
-
-    first: int
-    started: float
-    future: cf.Future[list[str]]
-    decided: bool = False  # its outcome was counted (vLLM may ask again for the same lookup)
-    done_at: float | None = None  # monotonic, set by the lookup thread (the resume profile)
-
-
-@dataclass
-class _Request:
-    chunk_ids: list[ChunkId]  # logical
-    prompt_len: int
-    namespace: Namespace | None = None  # None: not served from kvtier (prompt embeddings)
-    salt: str | None = None  # the request's cache_salt
-    extra: bytes = b""
-    block_ids: list[int] = field(default_factory=list)
-    saved_chunks: int = 0
-    load: tuple[int, int] | None = None  # token range [start, end) to load when next scheduled
-    loading: bool = False  # a background load was sent and the request has not run since
-    no_hit: bool = False  # a load of this request failed whole: never offer it a hit again
-    lookup: _Lookup | None = None
-    shard_ids: dict[int, ShardIds] = field(default_factory=dict)
-    chunk_tiers: list[str] = field(default_factory=list)  # where the decided load's chunks were found
-    request: Any = None  # vLLM's Request (its block hashes, for KV events)
-    retain_s: float = 0.0  # the session asked kvtier to keep its chunks this long
-    retained: bool = False  # the chunks it had when first scheduled were sent for retention
-    profile: Profile | None = None  # with profile_file: where its time goes (profile.py)
-    unverified: bool = False
-    """A synchronous load of it went to the workers and not every rank has reported it complete:
-    the step that ran it computed over the loaded blocks, so nothing it computed is saved until
-    then (a load that fell short means vLLM recomputes from the first missing block)."""
-
-
-class ShardIds(Sequence[ChunkId]):
-    """One shard's ids of a request's chunks from ``start`` on, each made when first asked for
-    (a hash): a lookup that stops at a miss never pays for the rest. Open-ended slices
-    (``ids[n:]``) are views sharing the made ids; bounded ones are lists."""
-
-    def __init__(self, logical: Sequence[ChunkId], shard: int, num_shards: int, start: int = 0,
-                 made: list[ChunkId | None] | None = None) -> None:
-        self.logical, self.shard, self.num_shards, self.start = logical, shard, num_shards, start
-        self._made: list[ChunkId | None] = made if made is not None else [None] * len(logical)
-
-    def __len__(self) -> int:
-        return max(0, len(self.logical) - self.start)
-
-    @overload
-    def __getitem__(self, i: int) -> ChunkId: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[ChunkId]: ...
-
-    def __getitem__(self, i: int | slice) -> ChunkId | Sequence[ChunkId]:
-        if isinstance(i, slice):
-            first, stop, step = i.indices(len(self))
-            if i.stop is None and step == 1:
-                return ShardIds(self.logical, self.shard, self.num_shards, self.start + first, self._made)
-            return [self[j] for j in range(first, stop, step)]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        j = self.start + i
-        cid = self._made[j]
-        if cid is None:
-            cid = self._made[j] = shard_id(self.logical[j], self.shard, self.num_shards)
-        return cid
-
-
-class _Answered:
-    """The shared pool's answer for one request (it holds chunks ``first`` to ``first + count``),
-    as a lookup-only ``Level`` over any rank's ``ShardIds``: no second metadata call."""
-
-    may_hang = False  # answered already
-
-    def __init__(self, pool: Level, first: int, count: int) -> None:
-        self.name, self.metrics = pool.name, pool.metrics
-        self.first, self.count = first, count
-
-    def lookup(self, ids: Sequence[ChunkId]) -> int:
-        assert isinstance(ids, ShardIds), "answers by position: ShardIds only"
-        if ids.start < self.first:
-            return 0
-        return max(0, min(len(ids), self.first + self.count - ids.start))
-
-    def close(self) -> None:
-        return
 
 
 class SchedulerRole:
@@ -197,93 +101,39 @@ class SchedulerRole:
         # Per-tier read bandwidth and the prefill rate: priors until the workers measure them.
         self.rates = Rates(connector_config.read_gbps * 1e9, connector_config.prefill_tokens_per_s)
         self.disabled = False
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._idle = True  # the last step scheduled no tokens
         self._lookups = executor(LOOKUP_THREADS, "kvtier-lookup")
         self._background_loads: list[Load] = []  # allocated this step, sent with the next metadata
         self._finishing: list[Save] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store_config.read_timeout_s, store_config.tier_cooldown_s)
         self.events = events
-        self.host_views: dict[int, HostView] = {}
-        self.rank_tiers: dict[int, list[Level]] = self._open_views(inject_faults)
+        faults = connector_config.inject_faults if inject_faults else None
+        self.views = RankTiers(store_config, dep, self.guard, self.counters, faults)
         self.adapters = AdapterIdentities()
         self._warned: set[str] = set()
         self.profiler = Profiler(connector_config.profile_file) if connector_config.profile_file is not None else None
 
     # ---------------------------------------------------------------- the lookup view
 
-    def _open_views(self, inject_faults: bool) -> dict[int, list[Level]]:
-        pool: Tier | None = None
-        try:
-            pool = open_pool_tier(self.store_config)
-        except TierUnavailableError as exc:
-            tier_unavailable(self.counters, "pool", exc)
-        if pool is not None and inject_faults and pool.name in self.connector_config.inject_faults:
-            from kvtier.tiers.faulty import FaultyTier
+    @property
+    def rank_tiers(self) -> dict[int, list[Level]]:
+        return self.views.by_rank
 
-            pool = FaultyTier(pool, **self.connector_config.inject_faults[pool.name])
-        self.pool = pool  # one view for all ranks: ``locate`` asks it once per chunk
-        views: dict[int, list[Level]] = {}
-        for rank in range(self.dep.sharding.world_size):
-            tiers: list[Level] = []
-            if self.store_config.host_bytes > 0:
-                tiers.append(self.host_views.setdefault(rank, HostView()))
-            if self.store_config.disk_path is not None:
-                tiers.append(FileLookup("disk", disk_path_of_rank(self.store_config.disk_path, rank, self.dep)))
-            if pool is not None:
-                tiers.append(pool)
-            views[rank] = tiers
-        return views
+    @property
+    def pool(self) -> Tier | None:
+        return self.views.pool
 
-    def _shard_ids(self, state: _Request, shard: int) -> ShardIds:
-        """Shard ``shard``'s ids of the request's chunks (each made once per request, when needed)."""
-        ids = state.shard_ids.get(shard)
-        if ids is None:
-            ids = state.shard_ids[shard] = ShardIds(state.chunk_ids, shard, self.dep.sharding.num_shards)
-        return ids
+    def _shard_ids(self, state: RequestState, shard: int) -> ShardIds:
+        return self.views.shard_ids(state.shard_ids, state.chunk_ids, shard)
 
-    def locate(self, state: _Request, first: int = 0) -> list[str]:
-        """Tier names of chunks ``first..`` of the cached prefix (the slowest any rank reads each from).
-
-        Blocking (metadata calls to disk and pool): it runs on a lookup thread. Each rank's own
-        levels (host DRAM, disk) are asked for that rank's first shard; the shared pool once per
-        chunk, for shard 0, whatever the number of ranks.
-        """
-        shared: _Answered | None = None
-        if self.pool is not None:
-            shared = _Answered(self.pool, first, self.guard.lookup(self.pool, self._shard_ids(state, 0)[first:]))
-        # A rank whose only level is the pool (no host DRAM held, no disk) has the pool's answer:
-        # no per-rank work, which at TP=8 would cost more than the pool's own answer.
-        pool_only = [self.pool.name] * shared.count if shared is not None else []
-        names: list[str] | None = None
-        for rank, tiers in self.rank_tiers.items():
-            local = [t for t in tiers if t is not self.pool and not (isinstance(t, HostView) and not t.keys)]
-            if not local:
-                located = pool_only if self.pool in tiers else []
-                if rank == 0 and shared is not None:
-                    self._count_shared(shared, len(state.chunk_ids) - first)
-            else:
-                ids = self._shard_ids(state, self.dep.sharding.shards_of(rank)[0])
-                levels: list[Level] = local + ([shared] if shared is not None and self.pool in tiers else [])
-                located = [t.name for t in locate(levels, self.guard, ids[first:],
-                                                  count_metrics=rank == 0, chunk_tokens=self.chunk_tokens)]
-            if names is None or names is located:
-                names = located
-            else:
-                names = [slowest(a, b) for a, b in zip(names, located, strict=False)]
-            if not names:
-                break
-        return names or []
-
-    def _count_shared(self, shared: _Answered, asked: int) -> None:
-        """Count a pool lookup that no rank's ``locate`` counted (rank 0 has no level of its own)."""
-        c = self.chunk_tokens
-        shared.metrics.add(lookups=1, lookup_tokens=asked * c, hit_chunks=shared.count,
-                           hit_tokens=shared.count * c)
+    def locate(self, state: RequestState, first: int = 0) -> list[str]:
+        """Tier names of chunks ``first..`` of the request's cached prefix (``RankTiers.locate``)."""
+        return self.views.locate(state.chunk_ids, state.shard_ids, first)
 
     # ---------------------------------------------------------------- per request
 
-    def _state(self, request: Request) -> _Request:
+    def _state(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             trust = self.connector_config.trust_mm_identifiers
@@ -291,12 +141,13 @@ class SchedulerRole:
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else 0
             if extra is None:
                 count(self.counters, "skipped_requests")
-                state = _Request([], prompt_len)
+                state = RequestState([], prompt_len)
             else:
                 salt = getattr(request, "cache_salt", None)
                 namespace = self.namespace if salt is None else self.namespace.with_salt(salt)
-                state = _Request(chunk_ids(namespace, request.prompt_token_ids, extra), prompt_len, namespace,
-                                 salt, extra, request=request, retain_s=self._retain_s(request))
+                ids = chunk_ids(namespace, request.prompt_token_ids or [], extra)
+                state = RequestState(ids, prompt_len, namespace, salt, extra, request=request,
+                                     retain_s=self._retain_s(request))
             if self.profiler is not None:
                 client_id = str(getattr(request, "external_req_id", None) or request.request_id)
                 state.profile = self.profiler.arrived(request.request_id, client_id, prompt_len)
@@ -362,10 +213,11 @@ class SchedulerRole:
             return 0, False
         lookup = state.lookup
         if lookup is None or lookup.first > first:
-            lookup = state.lookup = _Lookup(first, time.monotonic(), self._lookups.submit(self.locate, state, first))
+            future = self._lookups.submit(self.locate, state, first)
+            lookup = state.lookup = PendingLookup(first, time.monotonic(), future)
             if state.profile is not None:
                 state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
-                lookup.future.add_done_callback(lambda _, lk=lookup: setattr(lk, "done_at", time.monotonic()))
+                future.add_done_callback(lookup.mark_done)
         if self._idle:
             # Nothing runs, so a short wait stalls no one: a lookup of local files takes
             # microseconds, and answering in this call saves the request an engine step.
@@ -407,7 +259,7 @@ class SchedulerRole:
         state.load = (num_computed_tokens, end)
         return ext, self.connector_config.load_mode == "async"
 
-    def _decided(self, lookup: _Lookup, decision: str, state: _Request) -> None:
+    def _decided(self, lookup: PendingLookup, decision: str, state: RequestState) -> None:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
         if not lookup.decided:
             lookup.decided = True
@@ -496,13 +348,13 @@ class SchedulerRole:
                 self.profiler.finished(req_id)
         return meta
 
-    def _retain_had(self, meta: KVTierMetadata, req_id: str, state: _Request) -> None:
+    def _retain_had(self, meta: KVTierMetadata, req_id: str, state: RequestState) -> None:
         """A retained session's chunks it did not compute (vLLM's hit, a load) are kept too."""
         if state.retain_s > 0 and not state.retained and state.saved_chunks:
             state.retained = True
             meta.retains.append(Retain(req_id, state.chunk_ids[:state.saved_chunks], time.time() + state.retain_s))
 
-    def _emit_load(self, req_id: str, state: _Request, background: bool) -> Load:
+    def _emit_load(self, req_id: str, state: RequestState, background: bool) -> Load:
         assert state.load is not None
         start, end = state.load
         if self.events is not None and state.request is not None:
@@ -519,24 +371,24 @@ class SchedulerRole:
         return Load(req_id, state.chunk_ids[c0:c1], self._blocks(state, start, end), background, state.salt,
                     found if len(found) == c1 - c0 else ())
 
-    def _recomputes_from(self, state: _Request, computed: int) -> None:
+    def _recomputes_from(self, state: RequestState, computed: int) -> None:
         """vLLM computes from ``computed`` on (a failed load, a preemption): save those chunks again."""
         if computed < state.saved_chunks * self.chunk_tokens:
             state.saved_chunks = computed // self.chunk_tokens
 
-    def _blocks(self, state: _Request, start: int, end: int) -> list[int | None]:
+    def _blocks(self, state: RequestState, start: int, end: int) -> list[int | None]:
         """The blocks of the chunks covering tokens [start, end); None outside that range."""
         c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
         b_lo, b_hi = start // self.block_size, end // self.block_size
         return [state.block_ids[b] if b_lo <= b < b_hi and b < len(state.block_ids) else None
                 for b in range(c0 * self.blocks_per_chunk, c1 * self.blocks_per_chunk)]
 
-    def _save(self, req_id: str, state: _Request, start: int, end: int) -> Save:
+    def _save(self, req_id: str, state: RequestState, start: int, end: int) -> Save:
         c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
         until = time.time() + state.retain_s if state.retain_s > 0 else None
         return Save(req_id, state.chunk_ids[c0:c1], self._blocks(state, start, end), state.salt, until)
 
-    def _plan_save(self, meta: KVTierMetadata, req_id: str, state: _Request, computed: int) -> None:
+    def _plan_save(self, meta: KVTierMetadata, req_id: str, state: RequestState, computed: int) -> None:
         if state.unverified:
             # Planned again at a later step, from vLLM's computed tokens then (rolled back by a
             # failed load): never from KV computed over blocks a load may not have filled.
@@ -591,11 +443,11 @@ class SchedulerRole:
             if state is not None:
                 state.unverified = False
         for rank, names in meta.unavailable.items():
-            self._drop_views(rank, names)
+            self.views.drop(rank, names)
         if self.profiler is not None and meta.load_times:
             self.profiler.loads(meta.load_times)
         for rank, changes in meta.host_changes.items():
-            view = self.host_views.get(rank)
+            view = self.views.host_views.get(rank)
             if view is not None:
                 view.apply(changes)
             if rank == 0 and self.events is not None:
@@ -608,18 +460,6 @@ class SchedulerRole:
             self.rates.observe_read(read.tier, read.nbytes, read.seconds)
         for sample in meta.prefill:
             self.rates.observe_prefill(sample.tokens, sample.seconds)
-
-    def _drop_views(self, rank: int, names: Sequence[str]) -> None:
-        """Rank ``rank``'s store left these tiers out: stop finding chunks there for it (each such
-        hit would cost a load that delivers nothing)."""
-        tiers = self.rank_tiers.get(rank)
-        if tiers is None:
-            return
-        kept = [t for t in tiers if t.name not in names]
-        if len(kept) < len(tiers):
-            log.warning("kvtier: worker rank %d serves without its %s tier(s); the scheduler no longer looks there",
-                        rank, ", ".join(sorted(set(names))))
-            self.rank_tiers[rank] = kept
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -645,9 +485,4 @@ class SchedulerRole:
             self.profiler.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self.guard.close()
-        closed: set[int] = set()
-        for tiers in self.rank_tiers.values():
-            for tier in tiers:
-                if id(tier) not in closed:
-                    closed.add(id(tier))
-                    tier.close()
+        self.views.close()
