@@ -43,15 +43,6 @@ def _prompts(n: int, tokens: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 31000) for _ in range(tokens)] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.bench.model import make_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model(path)
-    return path
-
-
 def _pool_files(pool: Path, settled: bool = True) -> int:
     """Chunks in the pool: each is one file per KV head (head shards). ``settled``: no write is
     in flight (the engine has stopped), so every chunk has all its heads' files."""

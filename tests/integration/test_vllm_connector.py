@@ -49,15 +49,6 @@ def run_engine(model: Path, tmp: Path, name: str, connector: dict[str, Any],
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.bench.model import make_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("runs")
     pool = tmp / "pool"

@@ -27,15 +27,6 @@ BLOCK, CHUNK = 128, 256
 ALWAYS = {"load_policy": "always"}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvtier.bench.model import make_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    make_model(path)
-    return path
-
-
 def long_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 31000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
