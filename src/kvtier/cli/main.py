@@ -1,6 +1,7 @@
 """``kvtier`` command line: probe, pool stats|verify|gc, doctor, serve, model make, bench, plan, demo.
 
-Every command takes ``--json`` and then prints exactly one JSON object on stdout (progress
+A command that takes ``--json`` (``kvtier COMMAND --help`` says; ``serve`` and ``bench
+report`` do not) then prints exactly one JSON object on stdout, an error included (progress
 and logs go to stderr).
 """
 
