@@ -49,10 +49,11 @@ from typing import Any
 
 from kvtier.bench import procstat
 from kvtier.bench.client import LoadClient, Record, Session, Target, closed_loop
+from kvtier.bench.configs import SERVED_NAME, SuiteSpec
 from kvtier.bench.engines import EngineError, Process, cut_log, free_port, log_findings, root_cause
 from kvtier.bench.model import ensure_model
-from kvtier.bench.report import percentile
-from kvtier.bench.suite import SERVED_NAME, SuiteSpec, engine_argv, engine_env, kvtier_serve_argv, read_metrics
+from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv, read_metrics
+from kvtier.bench.summary import percentile
 from kvtier.bench.workload import RecurringContexts, TextMaker
 from kvtier.cli.args import byte_size, positive_ints, token_range
 

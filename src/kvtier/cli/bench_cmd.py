@@ -20,7 +20,7 @@ SUBCOMMANDS = ("run", "suite", "report")
 
 
 def add_parser(sub: Any) -> None:
-    from kvtier.bench.suite import CONFIGS
+    from kvtier.bench.configs import CONFIGS
 
     bench = sub.add_parser(
         "bench", help="benchmark an OpenAI-compatible server, or run the side-by-side suite",
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
 def _suite(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kvtier.bench.suite import presets, run_suite
+    from kvtier.bench.configs import presets
+    from kvtier.bench.suite import run_suite
     from kvtier.bench.workload import WorkloadSpec
 
     out = Path(args.out)
@@ -196,8 +197,8 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvtier.bench.client import LoadClient, Target
-    from kvtier.bench.report import load_run, write_report
-    from kvtier.bench.suite import Recorder
+    from kvtier.bench.report import write_report
+    from kvtier.bench.results import Recorder, load_run
     from kvtier.bench.workload import TextMaker, WorkloadSpec, make_sessions
 
     out = Path(args.out)
