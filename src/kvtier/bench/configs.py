@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.bench.workload import WorkloadSpec
+from kvtier.workload import WorkloadSpec
 
 # The registry, in the order a reader compares them; kvtier.bench.runner.ENGINES says how each
 # one's engine is built (a test keeps the two in step).
