@@ -55,7 +55,7 @@ from kvtier.bench.model import ensure_model
 from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv, read_metrics
 from kvtier.bench.summary import percentile
 from kvtier.bench.workload import RecurringContexts, TextMaker
-from kvtier.cli.args import byte_size, positive_ints, token_range
+from kvtier.cli.args import add_session_args, byte_size, positive_ints
 
 MiB = 1 << 20
 DEFAULT_MODEL = Path.home() / ".cache" / "kvtier" / "tiny-llama"
@@ -489,15 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--pool-bytes", default="256MiB", help="fs pool budget (default 256MiB: it evicts all along)")
     add("--vllm-kv-bytes", type=byte_size, default=64 * MiB, help="vLLM's own KV cache (default 64MiB: it forgets "
         "contexts, kvtier loads them)")
-    add = ap.add_argument_group("workload").add_argument
-    add("--context", type=token_range, default=(1024, 3072), help="context tokens per session (default 1k-3k)")
-    add("--turns", type=int, default=3, help="turns per session (default 3)")
-    add("--question-tokens", type=int, default=32, help="tokens per question (default 32)")
-    add("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
-    add("--think", type=float, default=0.0, help="seconds before each later turn (default 0)")
+    workload = ap.add_argument_group("workload")
+    add = workload.add_argument
+    add_session_args(workload, context=(1024, 3072), turns=3)
     add("--new-fraction", type=float, default=0.3, help="share of sessions on a never-seen context (default 0.3)")
     add("--reuse-window", type=int, default=32, help="reuse one of the last this-many contexts (default 32)")
-    add("--seed", type=int, default=0)
     add = ap.add_argument_group("concurrency ramp").add_argument
     add("--find-concurrency", action="store_true", help="ramp first and soak at the highest level sustained")
     add("--ramp-only", action="store_true", help="run the ramp alone (ramp.json, summary.md), no soak")
