@@ -61,9 +61,8 @@ def add_session_args(group: _ActionsContainer, *, context: tuple[int, int] = (40
     add("--question-tokens", type=int, default=32, help="tokens in each user turn (default 32)")
     add("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
     add("--think", type=float, default=0.0, help="seconds before each later turn of a session (default 0)")
-    add("--seed", type=int, default=0,
-        help="workload seed: the same seed gives sessions of the same lengths in kvtier bench and kvtier plan "
-             "(default 0)")
+    # For kvtier bench and kvtier plan the same seed also gives the same context lengths (kvtier.workload).
+    add("--seed", type=int, default=0, help="workload seed: the same seed gives the same sessions (default 0)")
 
 
 def add_load_args(group: _ActionsContainer, *, workloads: Sequence[str], sessions: int | None,
