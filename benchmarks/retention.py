@@ -41,14 +41,14 @@ import argparse
 import json
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from kvtier.bench.retention_figures import KVTIER_LOADED, PREFIX_HITS, median, summarize
+from kvtier.bench.tokens import TokenServer, metric_delta
 
 CHUNK = 256
 CPU_BLOCK = 128  # vLLM's CPU backend block size (tokens)
@@ -57,17 +57,6 @@ NAME = "retention"
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 30000) for _ in range(n)]
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def make_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,30 +87,17 @@ def chunk_file_bytes() -> int:
     return file_bytes_for(CHUNK * KVLayout(LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16).bytes_per_token)
 
 
-class Server:
+class Server(TokenServer):
+    """The benchmark's ``kvtier serve`` engine: the pool in ``pool``, no host DRAM by default, and
+    vLLM's own cache held to ``--gpu-blocks`` blocks."""
+
     def __init__(self, root: Path, model: Path, name: str, pool: Path, args: argparse.Namespace,
                  pool_bytes: int, max_len: int) -> None:
-        from kvtier.bench.engines import Process, free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = root / f"{name}.yaml"
-        cfg.write_text(json.dumps({"pool_url": f"fs://{pool}", "pool_bytes": pool_bytes,
-                                   "host_bytes": args.host_bytes, "chunk_tokens": CHUNK,
-                                   "io_threads": args.io_threads}))
-        vllm_args = ["--model", str(model), "--served-model-name", NAME, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--enforce-eager", "--max-model-len", str(max_len),
-                     "--max-num-batched-tokens", str(max_len), "--enable-prefix-caching",
-                     "--enable-prompt-tokens-details", "--seed", "0",
-                     "--num-gpu-blocks-override", str(args.gpu_blocks)]
-        argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", *vllm_args]
+        settings = {"pool_url": f"fs://{pool}", "pool_bytes": pool_bytes, "host_bytes": args.host_bytes,
+                    "chunk_tokens": CHUNK, "io_threads": args.io_threads}
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
-        self.log = root / f"{name}.log"
-        self.proc = Process(name, argv, self.log, env, ready_url=f"{self.url}/health")
-        self.client = httpx.Client(timeout=600)
-
-    def start(self) -> float:
-        return self.proc.start(timeout_s=600)
+        super().__init__(name, NAME, model, max_len, settings, root, env,
+                         ["--num-gpu-blocks-override", str(args.gpu_blocks)])
 
     def complete(self, prompt: list[int], max_tokens: int, retain_s: float | None) -> dict[str, Any]:
         """One streamed request: TTFT, output token ids, prompt and cached tokens."""
@@ -130,58 +106,11 @@ class Server:
                                 "stream_options": {"include_usage": True}}
         if retain_s is not None:
             body["kv_transfer_params"] = {"kvtier": {"retain_s": retain_s}}
-        t0 = time.perf_counter()
-        ttft = None
-        out: list[int] = []
-        usage: dict[str, Any] = {}
-        with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                msg = json.loads(line[len("data: "):])
-                for choice in msg.get("choices") or []:
-                    ids = choice.get("token_ids") or []
-                    if ids and ttft is None:
-                        ttft = time.perf_counter() - t0
-                    out.extend(ids)
-                if msg.get("usage"):
-                    usage = msg["usage"]
-        details = usage.get("prompt_tokens_details") or {}
-        return {"ttft_s": ttft, "e2e_s": time.perf_counter() - t0, "output": out,
-                "prompt_tokens": usage.get("prompt_tokens", len(prompt)),
-                "cached_tokens": details.get("cached_tokens") or 0}
+        return self.request(body)
 
     def metrics(self) -> dict[str, float]:
-        """``name`` or ``name{label=value,...}`` (vLLM's model_name/engine labels dropped) -> value."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = self.client.get(f"{self.url}/metrics", timeout=30).text
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if not (s.name.startswith("kvtier_") or s.name.startswith("vllm:prefix_cache")
-                        or s.name.startswith("vllm:external_prefix_cache")):
-                    continue
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.stop()
-
-
-def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-PREFIX_HITS = "vllm:prefix_cache_hits_total"
-KVTIER_LOADED = "kvtier_loaded_tokens_total"
-POOL_EVICTIONS = "kvtier_evictions_total{tier=pool}"
-POOL_HIT_TOKENS = "kvtier_hit_tokens_total{tier=pool}"
+        """kvtier's and vLLM's prefix-cache counters."""
+        return self.counters(("kvtier_", "vllm:prefix_cache", "vllm:external_prefix_cache"))
 
 
 def timed(server: Server, prompt: list[int], max_tokens: int, retain_s: float | None,
@@ -192,8 +121,8 @@ def timed(server: Server, prompt: list[int], max_tokens: int, retain_s: float | 
     rec = server.complete(prompt, max_tokens, retain_s)
     time.sleep(settle_s)
     after = server.metrics()
-    rec.update(prefix_cache_hit_tokens=delta(after, before, PREFIX_HITS),
-               kvtier_loaded_tokens=delta(after, before, KVTIER_LOADED), prompt_sha=_sha(prompt))
+    rec.update(prefix_cache_hit_tokens=metric_delta(after, before, PREFIX_HITS),
+               kvtier_loaded_tokens=metric_delta(after, before, KVTIER_LOADED), prompt_sha=_sha(prompt))
     return rec
 
 
@@ -265,55 +194,7 @@ def pool_state(pool: Path) -> dict[str, int]:
             "pool_files_retained_at_end": sum(st.st_mtime > now for st in stats)}
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every run of one mode together: rates over all requests, medians over all requests."""
-    recs = [r for res in results for r in res["records"]]
-    resumes = [r for r in recs if r["kind"] == "long" and r["turn"] > 0]
-    firsts = [r for r in recs if r["kind"] == "long" and r["turn"] == 0]
-    shorts = [r for r in recs if r["kind"] == "short"]
-    again = [r for r in recs if r["kind"] == "short-resume"]
-
-    def rate(rs: list[dict[str, Any]]) -> float | None:
-        prompt = sum(r["prompt_tokens"] for r in rs)
-        return sum(r["cached_tokens"] for r in rs) / prompt if prompt else None
-
-    def any_hit(rs: list[dict[str, Any]]) -> float | None:
-        return sum(r["cached_tokens"] > 0 for r in rs) / len(rs) if rs else None
-
-    def per_run(key: str) -> list[float]:
-        return [res["metrics"].get(key, 0.0) for res in results]
-
-    return {
-        "runs": len(results),
-        "long_resumes": len(resumes),
-        "long_resume_hit_rate": rate(resumes),
-        "long_resume_any_hit_fraction": any_hit(resumes),
-        "long_resume_ttft_p50_s": median([r["ttft_s"] for r in resumes]),
-        "long_resume_ttft_p90_s": quantile([r["ttft_s"] for r in resumes], 0.9),
-        "long_resume_kvtier_loaded_tokens": sum(r["kvtier_loaded_tokens"] for r in resumes),
-        "long_resume_vllm_prefix_cache_tokens": sum(r["prefix_cache_hit_tokens"] for r in resumes),
-        "long_first_turn_ttft_p50_s": median([r["ttft_s"] for r in firsts]),
-        "short_sessions": len(shorts),
-        "short_hit_rate": rate(shorts),
-        "short_ttft_p50_s": median([r["ttft_s"] for r in shorts]),
-        "short_ttft_p90_s": quantile([r["ttft_s"] for r in shorts], 0.9),
-        "short_resumes": len(again),
-        "short_resume_hit_rate": rate(again),
-        "short_resume_any_hit_fraction": any_hit(again),
-        "short_resume_ttft_p50_s": median([r["ttft_s"] for r in again]),
-        "short_resume_kvtier_loaded_tokens": sum(r["kvtier_loaded_tokens"] for r in again),
-        "short_resume_vllm_prefix_cache_tokens": sum(r["prefix_cache_hit_tokens"] for r in again),
-        "pool_evictions_per_run": per_run(POOL_EVICTIONS),
-        "pool_evictions_p50": median(per_run(POOL_EVICTIONS)),
-        "pool_hit_tokens_per_run": per_run(POOL_HIT_TOKENS),
-        "kvtier_loaded_tokens_per_run": per_run(KVTIER_LOADED),
-        "vllm_prefix_cache_hit_tokens_per_run": per_run(PREFIX_HITS),
-        "pool_files_retained_at_end_per_run": [res["pool"]["pool_files_retained_at_end"] for res in results],
-        "pool_bytes_at_end_per_run": [res["pool"]["pool_bytes_at_end"] for res in results],
-    }
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: kvtier's tiny model, in a temp dir)")
     ap.add_argument("--long-sessions", type=int, default=3, help="long agent sessions (default 3)")
@@ -349,16 +230,15 @@ def main() -> int:
     ap.add_argument("--log-dir", type=Path, default=None, help="copy the servers' logs here")
     ap.add_argument("--out", type=Path, default=None, help="JSON: summary, parameters, every request")
     args = ap.parse_args()
-    modes = args.modes.split(",")
-    for mode in modes:
+    for mode in args.modes.split(","):
         if mode not in ("no-retention", "retention"):
             ap.error(f"--modes: unknown mode {mode!r}")
+    return args
 
-    tmp = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-retention-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    from kvtier.bench.model import model_or_tiny
 
-    model = model_or_tiny(args.model, tmp)
+def sizing(args: argparse.Namespace, trace: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """(the parameters recorded, the pool's budget, max_model_len), from the trace; sets
+    ``args.gpu_blocks`` when not given and prints the budget."""
     final = final_long_tokens(args)
     max_len = -(-(final + 64) // CPU_BLOCK) * CPU_BLOCK
     if args.gpu_blocks is None:
@@ -367,7 +247,6 @@ def main() -> int:
     long_chunks = args.long_sessions * (final // CHUNK)
     long_need = long_chunks * file_bytes
     pool_bytes = args.pool_bytes or int(long_need * args.pool_headroom)
-    trace = make_trace(args)
     short_chunks_per_gap = [sum(len(p) // CHUNK for p in gap) for gap in trace["gaps"]]
     params = {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "log_dir", "model")}
     params.update(final_long_tokens=final, max_model_len=max_len, chunk_file_bytes=file_bytes,
@@ -379,7 +258,39 @@ def main() -> int:
           f"{long_chunks} chunk files ({long_need / 2**20:.1f} MiB, {file_bytes} B each); each gap's short "
           f"sessions write {min(short_chunks_per_gap) * file_bytes / 2**20:.1f}+ MiB; vLLM KV cache "
           f"{args.gpu_blocks} blocks of {CPU_BLOCK} tokens; max_model_len {max_len}", file=sys.stderr, flush=True)
+    return params, pool_bytes, max_len
 
+
+def run_one(args: argparse.Namespace, trace: dict[str, Any], server: Server, pool: Path, retain: bool,
+            name: str) -> dict[str, Any]:
+    """One run of the trace on a fresh server and pool; a failure is recorded as ``{"error"}``."""
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    try:
+        start_s = server.start()
+        t0 = time.perf_counter()
+        result = run_trace(server, trace, args, retain)
+        result.update(trace_s=time.perf_counter() - t0, start_s=start_s, pool=pool_state(pool))
+    except Exception as exc:  # recorded, and the other runs still go
+        result = {"error": repr(exc)[-2000:]}
+        print(f"  {name} failed: {result['error']}", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(server.log, args.log_dir / f"{name}.log")
+    return result
+
+
+def main() -> int:
+    args = parse_args()
+    modes = args.modes.split(",")
+    tmp = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-retention-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    from kvtier.bench.model import model_or_tiny
+
+    model = model_or_tiny(args.model, tmp)
+    trace = make_trace(args)
+    params, pool_bytes, max_len = sizing(args, trace)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
         for mode in modes:
@@ -387,22 +298,8 @@ def main() -> int:
             pool = tmp / f"pool-{name}"
             shutil.rmtree(pool, ignore_errors=True)
             server = Server(tmp, model, name, pool, args, pool_bytes, max_len)
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            try:
-                start_s = server.start()
-                t0 = time.perf_counter()
-                result = run_trace(server, trace, args, mode == "retention")
-                result.update(trace_s=time.perf_counter() - t0, start_s=start_s, pool=pool_state(pool))
-            except Exception as exc:  # recorded, and the other runs still go
-                result = {"error": repr(exc)[-2000:]}
-                print(f"  {name} failed: {result['error']}", file=sys.stderr, flush=True)
-            finally:
-                server.stop()
-            if args.log_dir is not None:
-                args.log_dir.mkdir(parents=True, exist_ok=True)
-                shutil.copy(server.log, args.log_dir / f"{name}.log")
+            runs[mode].append(run_one(args, trace, server, pool, mode == "retention", name))
             shutil.rmtree(pool, ignore_errors=True)
-            runs[mode].append(result)
 
     summary: dict[str, Any] = {"params": params}
     errors = {f"{mode}-{i}": r["error"] for mode in modes for i, r in enumerate(runs[mode]) if "error" in r}
@@ -411,10 +308,9 @@ def main() -> int:
         if done:
             summary[mode] = summarize(done)
     ok = [mode for mode in modes if mode in summary]
-    shas = {mode: [[r["prompt_sha"] for r in res["records"] if r["kind"] == "long"]
-                   for res in runs[mode] if "error" not in res] for mode in ok}
-    every = [s for mode in ok for s in shas[mode]]
     # Outputs feed later turns: the same trace means the same long prompts in every run.
+    every = [[r["prompt_sha"] for r in res["records"] if r["kind"] == "long"]
+             for mode in ok for res in runs[mode] if "error" not in res]
     summary["same_long_prompts_in_every_run"] = all(s == every[0] for s in every)
     summary["errors"] = errors
     print_table(summary, ok)

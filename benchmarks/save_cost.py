@@ -35,9 +35,10 @@ from typing import Any
 
 from kvtier.bench import procstat
 from kvtier.bench.client import LoadClient, Session, Target, Turn
+from kvtier.bench.configs import SuiteSpec
 from kvtier.bench.engines import Process, free_port, group_pids
 from kvtier.bench.model import ensure_model
-from kvtier.bench.suite import SuiteSpec, engine_argv, engine_env, kvtier_serve_argv
+from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
 
 VARIANTS = ("plain", "connector", "host", "pool")

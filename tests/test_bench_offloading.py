@@ -18,6 +18,7 @@ from kvtier.bench.report import CONFIG_ORDER
 from kvtier.bench.suite import (
     CONFIGS,
     DEFAULT_CONFIGS,
+    ENGINES,
     ConfigRunner,
     SuiteSpec,
     failure_text,
@@ -41,6 +42,7 @@ def runner(tmp_path: Path, config: str) -> ConfigRunner:
 
 def test_the_configurations_are_known_to_the_suite_and_the_report_in_the_same_order_and_opt_in() -> None:
     assert CONFIG_ORDER == CONFIGS
+    assert tuple(ENGINES) == CONFIGS  # every registered configuration has an engine builder, in order
     assert set(OFFLOAD) <= set(CONFIGS)
     # Opt-in (--configs): the presets run what they ran before.
     assert not set(OFFLOAD) & set(DEFAULT_CONFIGS)

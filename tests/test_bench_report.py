@@ -231,3 +231,29 @@ def test_import_does_not_load_matplotlib() -> None:
 
     code = "import sys, kvtier.bench.report; print('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_the_bench_modules_import_each_other_without_a_cycle() -> None:
+    """report reads the configuration names from configs, never from suite, which imports report."""
+    import ast
+
+    package = Path(report.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvtier.bench"):
+                # ``from kvtier.bench import profiles`` names the module in the imported names
+                found |= {a.name for a in node.names} if node.module == "kvtier.bench" else {node.module.split(".")[2]}
+        graph[path.stem] = found & {p.stem for p in package.glob("*.py")}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for dep in sorted(graph.get(name, ())):
+                visit(dep, (*path, name))
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())

@@ -1,18 +1,20 @@
-"""What the processes of an engine's group use, sampled from /proc (Linux), and its trends.
+"""What the processes of an engine's group use, sampled through psutil (Linux), and its trends.
 
 The soak run (``benchmarks/soak.py``) samples every process of a ``kvtier serve`` engine's
 process group (API server, EngineCore, worker, helpers) with :class:`GroupSampler`: per
-process (:func:`sample_process`) VmRSS and RssAnon in MiB, open fds by kind (sockets, pipes,
-anon inodes, files under a pool directory, other files), threads, CPU seconds and state; the
-names of its threads each time they change; and, per sample, machine-wide figures
+process (:func:`sample_process`) RSS and anonymous RSS in MiB, open fds by kind (sockets,
+pipes, anon inodes, files under a pool directory, other files), threads, CPU seconds and state;
+the names of its threads each time they change; and, per sample, machine-wide figures
 (:meth:`GroupSampler.machine`: CPU busy/iowait/steal shares since the last sample, the load
 average, vLLM processes of other groups, the pool directory's files and MiB). While the
-engine stands still, :class:`StallRecorder` snapshots what each thread waits on. Then
-:func:`process_summary` and :func:`group_series` turn the rows into growth figures, with
-:func:`slope` (a least-squares fit) for trends, :func:`group_rss` for the whole group's,
-and :func:`process_table` and :func:`thread_changes` render them as markdown. Nothing here
-needs a dependency beyond the standard library; a process that exits between two reads is
-skipped, never an error.
+engine stands still, :class:`StallRecorder` snapshots what each thread waits on. The trends
+of the rows (growth, slopes, markdown) are kvtier.bench.trends', importable from here too.
+
+psutil reads the figures it has (CPU times of processes and threads, memory, thread counts,
+machine CPU times); what it has not is read from /proc here, in small helpers: a thread's OS
+name and state (``/proc/PID/task/TID/comm`` and ``stat``: kvtier names its threads, see
+kvtier.threads), fds by kind (``/proc/PID/fd`` links) and what a thread waits on (``wchan``,
+``stack``). A process that exits between two reads is skipped, never an error.
 """
 
 from __future__ import annotations
@@ -23,31 +25,55 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.engines import Process, group_pids, proc_stats, process_role
+import psutil
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from kvtier.bench.engines import Process, group_pids, proc_stats, process_role
+from kvtier.bench.trends import group_rss, group_series, process_summary, process_table, slope, thread_changes
+
+__all__ = [  # the sampling, and the trends of kvtier.bench.trends for ``procstat.process_summary`` and so on
+    "CpuTimes", "GroupSampler", "StallRecorder", "dir_usage", "group_rss", "group_series", "other_engines",
+    "proc_cpu", "process_summary", "process_table", "sample_process", "slope", "thread_changes", "thread_cpu",
+    "thread_names", "thread_stat",
+]
+
 MiB = 1 << 20
 Row = dict[str, Any]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# psutil's status names back to the kernel's state letters, as /proc/PID/stat spells them.
+_STATE_LETTERS = {"running": "R", "sleeping": "S", "disk-sleep": "D", "stopped": "T", "tracing-stop": "t",
+                  "zombie": "Z", "dead": "X", "wake-kill": "K", "waking": "W", "idle": "I", "parked": "P"}
+
+
+def _process_state(p: psutil.Process) -> tuple[str, float]:
+    """(state letter, user + system CPU seconds) of ``p``; psutil.Error if it has gone."""
+    with p.oneshot():
+        status, times = p.status(), p.cpu_times()
+    return _STATE_LETTERS.get(status, "?"), times.user + times.system
+
+
+def thread_stat(pid: int, tid: int) -> tuple[str, str, float]:
+    """(OS name, state letter, user + system CPU seconds) of thread ``tid`` of ``pid``, from
+    ``/proc/PID/task/TID``: psutil has neither a thread's name nor its state. OSError if gone."""
+    task = f"/proc/{pid}/task/{tid}"
+    name = Path(f"{task}/comm").read_text().strip()
+    stat = Path(f"{task}/stat").read_text()
+    fields = stat[stat.rfind(")") + 2:].split()
+    return name, fields[0], (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def proc_cpu(pid: int, tid: int | None = None) -> tuple[str, float]:
     """(state letter, user + system CPU seconds) of a process or one of its threads; OSError if gone."""
-    stat = Path(f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rfind(")") + 2:].split()
-    return fields[0], (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def sample_process(pid: int, pool_dir: Path | None = None) -> Row | None:
-    """One process: ``pid``, ``process`` (its role), ``state``, ``cpu_s``, ``rss_mib``,
-    ``rss_anon_mib``, ``fds`` and by kind ``fd_sockets``, ``fd_pipes``, ``fd_anon``,
-    ``fd_pool_files`` (under ``pool_dir``), ``fd_files`` (the rest), and ``threads``;
-    None if it has gone."""
+    if tid is not None:
+        _, state, seconds = thread_stat(pid, tid)
+        return state, seconds
     try:
-        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if ":" in line)
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
+        return _process_state(psutil.Process(pid))
+    except psutil.Error as exc:
+        raise OSError(f"process {pid}: {exc}") from None
+
+
+def _fd_kinds(pid: int, fds: list[str], pool_dir: Path | None) -> dict[str, int]:
+    """Open fds of ``pid`` by what they point at (psutil lists regular files only)."""
     kinds = {"sockets": 0, "pipes": 0, "anon": 0, "pool_files": 0, "files": 0}
     prefixes = {"socket:": "sockets", "pipe:": "pipes", "anon_inode:": "anon"}
     pool = str(pool_dir) if pool_dir is not None else None
@@ -58,17 +84,36 @@ def sample_process(pid: int, pool_dir: Path | None = None) -> Row | None:
             continue  # closed between listdir and readlink
         kind = next((k for p, k in prefixes.items() if target.startswith(p)), None)
         kinds[kind or ("pool_files" if pool is not None and target.startswith(pool) else "files")] += 1
+    return kinds
+
+
+def sample_process(pid: int, pool_dir: Path | None = None) -> Row | None:
+    """One process: ``pid``, ``process`` (its role), ``state``, ``cpu_s``, ``rss_mib``,
+    ``rss_anon_mib``, ``fds`` and by kind ``fd_sockets``, ``fd_pipes``, ``fd_anon``,
+    ``fd_pool_files`` (under ``pool_dir``), ``fd_files`` (the rest), and ``threads``;
+    None if it has gone."""
     try:
-        state, cpu_s = proc_cpu(pid)
+        p = psutil.Process(pid)
+        with p.oneshot():
+            memory, threads = p.memory_info(), p.num_threads()
+        fds = os.listdir(f"/proc/{pid}/fd")
+        kinds = _fd_kinds(pid, fds, pool_dir)
+        state, cpu_s = _process_state(p)
+    except (psutil.Error, OSError):
+        return None
+    # Resident pages are anonymous, file-backed or shared memory; psutil's ``shared`` counts the
+    # latter two (statm's), so the rest is the status file's RssAnon.
+    return {"pid": pid, "process": process_role(pid), "state": state, "cpu_s": round(cpu_s, 2),
+            "rss_mib": memory.rss / MiB, "rss_anon_mib": (memory.rss - memory.shared) / MiB, "fds": len(fds),
+            **{f"fd_{k}": v for k, v in kinds.items()}, "threads": threads}
+
+
+def _thread_name(pid: int, tid: int) -> str | None:
+    """The OS name of thread ``tid`` of ``pid`` (``/proc/PID/task/TID/comm``); None if it has gone."""
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
     except OSError:
         return None
-
-    def mib(key: str) -> float:
-        return int(status.get(key, "0 kB").split()[0]) / 1024
-
-    return {"pid": pid, "process": process_role(pid), "state": state, "cpu_s": round(cpu_s, 2),
-            "rss_mib": mib("VmRSS"), "rss_anon_mib": mib("RssAnon"), "fds": len(fds),
-            **{f"fd_{k}": v for k, v in kinds.items()}, "threads": int(status.get("Threads", "0").strip())}
 
 
 def thread_names(pid: int) -> dict[str, int]:
@@ -80,29 +125,25 @@ def thread_names(pid: int) -> dict[str, int]:
     except OSError:
         return names
     for tid in tids:
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue
-        names[name] = names.get(name, 0) + 1
+        name = _thread_name(pid, int(tid))
+        if name is not None:
+            names[name] = names.get(name, 0) + 1
     return dict(sorted(names.items()))
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each thread name of ``pid`` (``/proc/PID/task/*``),
-    summed over the threads of one name. Empty if the process has gone."""
+    """CPU seconds (user + system) so far of each thread name of ``pid`` (psutil's threads, named
+    by ``/proc/PID/task/TID/comm``), summed over the threads of one name. Empty if the process
+    has gone."""
     seconds: dict[str, float] = {}
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+        threads = psutil.Process(pid).threads()
+    except psutil.Error:
         return seconds
-    for tid in tids:
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            _, cpu_s = proc_cpu(pid, int(tid))
-        except OSError:
-            continue
-        seconds[name] = seconds.get(name, 0.0) + cpu_s
+    for t in threads:
+        name = _thread_name(pid, t.id)
+        if name is not None:
+            seconds[name] = seconds.get(name, 0.0) + t.user_time + t.system_time
     return seconds
 
 
@@ -126,14 +167,15 @@ def other_engines(pgid: int) -> int:
 
 
 class CpuTimes:
-    """Machine-wide CPU use between two calls of :meth:`delta`, from the first line of /proc/stat."""
+    """Machine-wide CPU use between two calls of :meth:`delta` (psutil.cpu_times)."""
 
     def __init__(self) -> None:
         self.last = self._read()
 
     @staticmethod
-    def _read() -> list[int]:
-        return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    def _read() -> list[float]:
+        t = psutil.cpu_times()
+        return [t.user, t.nice, t.system, t.idle, t.iowait, t.irq, t.softirq, t.steal]
 
     def delta(self) -> dict[str, float]:
         """``cpu_busy`` (not idle, not iowait), ``cpu_iowait`` and ``cpu_steal`` shares since the last call."""
@@ -228,9 +270,8 @@ class StallRecorder:
         stacks = {}
         for tid in tids:
             task = f"/proc/{pid}/task/{tid}"
-            try:
-                name = Path(f"{task}/comm").read_text().strip()
-                tstate, _ = proc_cpu(pid, int(tid))
+            try:  # psutil has no thread names, states or wait channels
+                name, tstate, _ = thread_stat(pid, int(tid))
                 wchan = Path(f"{task}/wchan").read_text().strip() or "-"
             except OSError:
                 continue
@@ -245,120 +286,3 @@ class StallRecorder:
                                "stack": [line.split("] ", 1)[-1] for line in stack]}
         return {"pid": pid, "process": process_role(pid), "state": state, "cpu_s": round(cpu_s, 2),
                 "threads": dict(sorted(groups.items())), "stacks": stacks}
-
-
-def slope(xs: list[float], ys: list[float]) -> float | None:
-    """Least-squares slope of ``ys`` over ``xs``; None with fewer than 3 points or one x."""
-    n = len(xs)
-    if n < 3:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-
-
-def _rounded(v: float | None, digits: int = 3) -> float | None:
-    return None if v is None else round(v, digits)
-
-
-def process_summary(rows: list[Row], warmup_s: float, end_s: float) -> list[Row]:
-    """Per process (by pid) over its rows up to ``end_s``, from ``warmup_s`` on: RSS at the
-    first and last of those samples, growth (MiB, %), fitted slopes of RSS and RssAnon
-    (MiB/min; RSS also over the second half of the run), fd, non-socket fd and thread
-    ranges, the most fds in the first and in the last quarter of the samples, the most pool
-    fds. A process with fewer than two such samples gets a ``note`` instead."""
-    by_pid: dict[int, list[Row]] = {}
-    for r in rows:
-        if r["t_s"] <= end_s + 1e-6:
-            by_pid.setdefault(r["pid"], []).append(r)
-    out = []
-    for pid, samples in sorted(by_pid.items()):
-        post = [s for s in samples if s["t_s"] >= warmup_s]
-        entry: Row = {"pid": pid, "process": samples[-1]["process"], "samples": len(samples)}
-        out.append(entry)
-        if len(post) < 2:
-            entry["note"] = "not present after warm-up (short-lived)"
-            continue
-        first, last = post[0], post[-1]
-        growth = last["rss_mib"] - first["rss_mib"]
-        minutes = [s["t_s"] / 60 for s in post]
-        late = [s for s in post if s["t_s"] >= end_s / 2]
-        q = max(1, len(post) // 4)
-        non_socket = [s["fds"] - s["fd_sockets"] for s in post]
-        entry.update({
-            "rss_warm_mib": round(first["rss_mib"], 1), "rss_end_mib": round(last["rss_mib"], 1),
-            "growth_mib": round(growth, 1), "growth_pct": round(100 * growth / first["rss_mib"], 2),
-            "slope_mib_per_min": _rounded(slope(minutes, [s["rss_mib"] for s in post])),
-            "anon_slope_mib_per_min": _rounded(slope(minutes, [s["rss_anon_mib"] for s in post])),
-            "second_half_slope_mib_per_min": _rounded(slope([s["t_s"] / 60 for s in late],
-                                                            [s["rss_mib"] for s in late])),
-            "fds_min": min(s["fds"] for s in post), "fds_max": max(s["fds"] for s in post),
-            "fds_first_quarter_max": max(s["fds"] for s in post[:q]),
-            "fds_last_quarter_max": max(s["fds"] for s in post[-q:]),
-            "non_socket_fds_min": min(non_socket), "non_socket_fds_max": max(non_socket),
-            "pool_fds_max": max(s["fd_pool_files"] for s in post),
-            "threads_min": min(s["threads"] for s in post), "threads_max": max(s["threads"] for s in post),
-        })
-    return out
-
-
-def group_series(rows: list[Row], key: str) -> dict[float, float]:
-    """``key`` summed over the processes of each sample: ``t_s`` -> total."""
-    series: dict[float, float] = {}
-    for r in rows:
-        series[r["t_s"]] = series.get(r["t_s"], 0.0) + r[key]
-    return series
-
-
-def group_rss(rows: list[Row], warmup_s: float, end_s: float) -> Row:
-    """The group's summed RSS over the samples from ``warmup_s`` to ``end_s``: its fitted slope
-    (MiB/min; also over the second half of the run, from ``end_s / 2``) and its first and last
-    values, under the keys ``group_rss_slope_mib_per_min``,
-    ``group_rss_second_half_slope_mib_per_min``, ``group_rss_warm_mib`` and ``group_rss_end_mib``."""
-    rss = group_series([r for r in rows if r["t_s"] <= end_s + 1e-6], "rss_mib")
-    post = sorted((t, v) for t, v in rss.items() if t >= warmup_s)
-    late = [(t, v) for t, v in post if t >= end_s / 2]
-    return {"group_rss_slope_mib_per_min": _rounded(slope([t / 60 for t, _ in post], [v for _, v in post])),
-            "group_rss_second_half_slope_mib_per_min": _rounded(slope([t / 60 for t, _ in late],
-                                                                      [v for _, v in late])),
-            "group_rss_warm_mib": round(post[0][1], 1) if post else None,
-            "group_rss_end_mib": round(post[-1][1], 1) if post else None}
-
-
-def _cells(*cells: Any) -> str:
-    return "| " + " | ".join("—" if c is None else str(c) for c in cells) + " |"
-
-
-def process_table(procs: list[Row], group: Row) -> list[str]:
-    """Markdown table of :func:`process_summary`'s entries and a last row of :func:`group_rss`'s."""
-    lines = ["| process | pid | RSS warm (MiB) | RSS end (MiB) | growth (MiB) | growth (%) | slope (MiB/min) | "
-             "anon slope (MiB/min) | 2nd-half slope (MiB/min) | fds min..max | fds first/last quarter max | "
-             "non-socket fds | threads |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for p in procs:
-        lines.append(_cells(p["process"], p["pid"], p["note"], *[""] * 10) if "note" in p else _cells(
-            p["process"], p["pid"], p["rss_warm_mib"], p["rss_end_mib"], p["growth_mib"], p["growth_pct"],
-            p["slope_mib_per_min"], p["anon_slope_mib_per_min"], p["second_half_slope_mib_per_min"],
-            f"{p['fds_min']}..{p['fds_max']}", f"{p['fds_first_quarter_max']}/{p['fds_last_quarter_max']}",
-            f"{p['non_socket_fds_min']}..{p['non_socket_fds_max']}", f"{p['threads_min']}..{p['threads_max']}"))
-    g = group
-    lines.append(_cells("group", "", g["group_rss_warm_mib"], g["group_rss_end_mib"], "", "",
-                        g["group_rss_slope_mib_per_min"], "", g["group_rss_second_half_slope_mib_per_min"],
-                        "", "", "", ""))
-    return lines
-
-
-def thread_changes(threads: dict[str, list[dict[str, Any]]], names: dict[str, str]) -> list[str]:
-    """Markdown bullets, one per process whose thread names changed between the first and the
-    last entry of ``threads`` (:attr:`GroupSampler.threads`, pids as strings): the counts that
-    changed and when; ``names``: pid -> role."""
-    changed = []
-    for pid, seen in threads.items():
-        first, last = seen[0]["names"], seen[-1]["names"]
-        diff = [f"{n} {first.get(n, 0)}→{last.get(n, 0)}" for n in sorted({*first, *last})
-                if first.get(n, 0) != last.get(n, 0)]
-        if diff:
-            times = ", ".join(f"{x['t_s']:g}" for x in seen[1:])
-            changed.append(f"* {names.get(pid, pid)} ({pid}): {'; '.join(diff)} (changes at t = {times} s)")
-    return changed

@@ -12,7 +12,9 @@
 Texts are filler words of the kind the tiny model's tokenizer was trained on. With a
 tokenizer (``tokenizer.json`` or a model directory holding one) contexts have the requested
 number of tokens; without one, one word counts as ``WORDS_PER_TOKEN`` tokens (an estimate).
-The same seed gives the same sessions, so every configuration sees the same prompts.
+The same seed gives the same sessions, so every configuration sees the same prompts, and their
+context lengths are those ``kvtier plan`` simulates for the same seed (kvtier.workload, the model
+this module renders as text).
 :class:`RecurringContexts` hands out sessions one at a time for a timed run (the soak), over
 contexts that recur.
 """
@@ -20,59 +22,22 @@ contexts that recur.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from kvtier.bench.client import Session, Turn
 from kvtier.bench.model import SYLLABLES, WORDS
+from kvtier.workload import WORKLOADS, Workload, WorkloadSpec, context_tokens, parse_range
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-Workload = Literal["cold-resume", "chat", "short-chat"]
-WORKLOADS: tuple[Workload, ...] = ("cold-resume", "chat", "short-chat")
 WORDS_PER_TOKEN = 0.75  # filler words per token without a tokenizer (about 1.3 tokens a word)
 
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """What to generate. ``context_tokens`` is a (min, max) range drawn uniformly per session."""
-
-    workload: Workload = "cold-resume"
-    sessions: int = 8
-    context_tokens: tuple[int, int] = (4096, 16384)
-    turns: int = 2
-    question_tokens: int = 32
-    output_tokens: int = 32
-    think_s: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"workload: {self.workload!r}; use one of {', '.join(WORKLOADS)}")
-        lo, hi = self.context_tokens
-        if not 0 < lo <= hi:
-            raise ValueError(f"context_tokens: need 0 < min <= max, got {self.context_tokens}")
-        if self.sessions < 1 or self.turns < 1 or self.output_tokens < 1:
-            raise ValueError("sessions, turns and output_tokens must be >= 1")
-        if self.workload == "cold-resume" and self.turns < 2:
-            raise ValueError("cold-resume needs turns >= 2 (a populate turn, then resumed turns)")
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    """``"4k-16k"`` -> (4096, 16384); ``"8192"`` -> (8192, 8192)."""
-
-    def one(part: str) -> int:
-        part = part.strip().lower()
-        scale = 1024 if part.endswith("k") else 1
-        try:
-            return int(float(part.rstrip("k")) * scale)
-        except ValueError:
-            raise ValueError(f"not a token count: {part!r} (e.g. 4k-16k or 8192)") from None
-
-    lo, _, hi = text.partition("-")
-    return (one(lo), one(hi or lo))
+__all__ = [  # WorkloadSpec, parse_range and the names of workloads live in kvtier.workload
+    "WORDS_PER_TOKEN", "WORKLOADS", "RecurringContexts", "TextMaker", "Workload", "WorkloadSpec", "make_sessions",
+    "parse_range",
+]
 
 
 class TextMaker:
@@ -111,25 +76,28 @@ class TextMaker:
 
 
 def make_sessions(spec: WorkloadSpec, text: TextMaker, first_id: int = 0) -> list[Session]:
-    """The sessions of ``spec``, ids from ``first_id`` (distinct ids for distinct session sets)."""
-    rng = random.Random(f"{spec.seed}:{spec.workload}:{first_id}")
+    """The sessions of ``spec``, ids from ``first_id`` (distinct ids for distinct session sets).
+
+    Context lengths are kvtier.workload.context_tokens's, as the planner draws them, whatever
+    ``first_id``; the words are drawn per session from the seed, the workload and the id, so
+    sets with distinct ids have distinct prompts (a server's cache cannot carry between them)."""
     sessions = []
-    for i in range(spec.sessions):
+    for i, tokens in enumerate(context_tokens(spec.seed, spec.context_tokens, spec.sessions)):
         sid = first_id + i
+        rng = random.Random(f"{spec.seed}:{spec.workload}:{sid}")
         if spec.workload == "cold-resume":
-            context = text.words(rng, rng.randint(*spec.context_tokens))
+            context = text.words(rng, tokens)
             turns = [Turn(f"Session {sid}. Summarize the text above. {text.words(rng, spec.question_tokens)}",
                           spec.output_tokens, phase="populate", measured=False)]
             turns += [Turn(f"Follow-up {t}: {text.words(rng, spec.question_tokens)}", spec.output_tokens,
                            phase="resume", think_s=spec.think_s) for t in range(1, spec.turns)]
         elif spec.workload == "chat":
-            context = f"Session {sid}. " + text.words(rng, rng.randint(*spec.context_tokens))
+            context = f"Session {sid}. " + text.words(rng, tokens)
             turns = [Turn(text.words(rng, spec.question_tokens), spec.output_tokens, phase="turn",
                           think_s=spec.think_s if t else 0.0) for t in range(spec.turns)]
         else:
             context = ""
-            turns = [Turn(f"Session {sid}. " + text.words(rng, rng.randint(*spec.context_tokens)),
-                          spec.output_tokens, phase="turn")]
+            turns = [Turn(f"Session {sid}. " + text.words(rng, tokens), spec.output_tokens, phase="turn")]
         sessions.append(Session(sid, context, turns))
     return sessions
 

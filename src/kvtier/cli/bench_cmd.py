@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.args import positive_ints, token_range
+from kvtier.cli.args import add_load_args, add_session_args, positive_ints, token_range, workload_spec
+from kvtier.workload import WORKLOADS
 
 SUBCOMMANDS = ("run", "suite", "report")
 
 
 def add_parser(sub: Any) -> None:
-    from kvtier.bench.suite import CONFIGS
+    from kvtier.bench.configs import CONFIGS
 
     bench = sub.add_parser(
         "bench", help="benchmark an OpenAI-compatible server, or run the side-by-side suite",
@@ -38,15 +39,8 @@ def add_parser(sub: Any) -> None:
                           "session then goes to the other one)")
     run.add_argument("--model", default=None, help="model name to request (default: the first the server lists)")
     run.add_argument("--name", default="endpoint", help="configuration name in the results (default endpoint)")
-    run.add_argument("--workload", choices=("cold-resume", "chat", "short-chat"), default="cold-resume")
-    run.add_argument("--sessions", type=int, default=8, help="sessions per concurrency level (default 8)")
-    run.add_argument("--context", type=token_range, default=(4096, 16384),
-                     help="context tokens per session, uniform in MIN-MAX (default 4k-16k)")
-    run.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
-    run.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
-    run.add_argument("--question-tokens", type=int, default=32, help="tokens in each user turn (default 32)")
-    run.add_argument("--think", type=float, default=0.0, help="seconds between turns of a session (default 0)")
-    run.add_argument("--concurrency", type=positive_ints, default=[1, 2, 4], help="levels, e.g. 1,2,4 (default)")
+    add_load_args(run, workloads=WORKLOADS, sessions=8, concurrency=[1, 2, 4])
+    add_session_args(run)
     run.add_argument("--api", choices=("completions", "chat"), default="completions")
     run.add_argument("--tokenizer", default=None,
                      help="tokenizer.json or a model dir, for exact context lengths (default: estimate by words)")
@@ -56,7 +50,6 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--flood-tokens", type=int, default=1_000_000, help="tokens sent by --evict flood")
     run.add_argument("--evict-command", default=None, help="shell command for --evict command (e.g. a restart)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", required=True, help="result folder (created; must not hold a run)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
@@ -126,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
 def _suite(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kvtier.bench.suite import presets, run_suite
+    from kvtier.bench.configs import presets
+    from kvtier.bench.suite import run_suite
     from kvtier.bench.workload import WorkloadSpec
 
     out = Path(args.out)
@@ -196,9 +190,9 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvtier.bench.client import LoadClient, Target
-    from kvtier.bench.report import load_run, write_report
-    from kvtier.bench.suite import Recorder
-    from kvtier.bench.workload import TextMaker, WorkloadSpec, make_sessions
+    from kvtier.bench.report import write_report
+    from kvtier.bench.results import Recorder, load_run
+    from kvtier.bench.workload import TextMaker, make_sessions
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,8 +205,7 @@ def _run(args: argparse.Namespace) -> int:
             model = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"could not ask {urls[0]}/v1/models for a model name ({exc}); pass --model") from None
-    spec = WorkloadSpec(args.workload, args.sessions, args.context, args.turns, args.question_tokens,
-                        args.output_tokens, args.think, args.seed)
+    spec = workload_spec(args)
     text = TextMaker(args.tokenizer)
     n = len(urls)
     client = LoadClient([Target(u, model) for u in urls], api=args.api, timeout_s=args.timeout,

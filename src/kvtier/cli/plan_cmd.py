@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.args import positive_ints, token_range
+from kvtier.cli.args import add_load_args, add_session_args
 
 EXAMPLES = """examples:
   kvtier plan --preset seed --concurrency 8,16,32
@@ -38,20 +38,8 @@ def add_parser(sub: Any) -> None:
     w = p.add_argument_group("workload (a trace, or a distribution)")
     w.add_argument("--trace", default=None, help="CSV or JSONL: session, arrival_s, prompt_tokens, output_tokens "
                                                  "(open loop: each request arrives at arrival_s)")
-    w.add_argument("--workload", choices=("cold-resume", "chat"), default="cold-resume",
-                   help="cold-resume: turn 0 populates, the engine restarts, later turns are measured; chat: every "
-                        "turn measured in one engine lifetime (default cold-resume)")
-    w.add_argument("--sessions", type=int, default=None,
-                   help="sessions per concurrency level (default: 2 x concurrency)")
-    w.add_argument("--context", type=token_range, default=(4096, 16384),
-                   help="context tokens, uniform MIN-MAX (4k-16k)")
-    w.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
-    w.add_argument("--think", type=float, default=0.0, help="seconds between turns (default 0)")
-    w.add_argument("--question-tokens", type=int, default=32, help="tokens per user turn (default 32)")
-    w.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
-    w.add_argument("--concurrency", type=positive_ints, default=[8, 16, 32],
-                   help="closed-loop users, e.g. 8,16,32 (ignored for --trace)")
-    w.add_argument("--seed", type=int, default=0, help="workload and routing seed (default 0)")
+    add_load_args(w, workloads=("cold-resume", "chat"), sessions=None, concurrency=[8, 16, 32])
+    add_session_args(w)
     h = p.add_argument_group("hardware")
     h.add_argument("--preset", choices=("seed",), default=None,
                    help="seed: the seed's Qwen3-Coder-480B TP=8 deployment (model, tiers, workload; assumptions "

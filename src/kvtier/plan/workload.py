@@ -6,18 +6,22 @@ session's turns run in order (a turn starts no earlier than the previous one's l
 closed-loop (``concurrency`` users, each taking the next session when its last one is done, as
 ``kvtier bench`` drives a server). ``restart_before`` empties the engine's KV and the
 non-persistent tiers first: the cold-resume case (populate, restart, resume).
+
+Generated sessions follow kvtier.workload, the model ``kvtier bench`` renders as text: the same
+seed gives the same context lengths here and there. ``Turn`` here is a request as the simulator
+sees it (a whole prompt in tokens), not the load client's message (kvtier.bench.client.Turn).
 """
 
 from __future__ import annotations
 
 import csv
 import itertools
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvtier.jsonl import json_objects
+from kvtier.workload import context_tokens as draw_context_tokens
 
 TRACE_COLUMNS = ("session", "arrival_s", "prompt_tokens", "output_tokens")
 
@@ -110,14 +114,14 @@ def make_sessions(num_sessions: int, context_tokens: tuple[int, int], turns: int
                   output_tokens: int = 32, think_s: float = 0.0, seed: int = 0, prefix: str = "s",
                   measured_from_turn: int = 0) -> list[tuple[Turn, ...]]:
     """Sessions as ``kvtier bench`` builds them: turn 0 = context + question; each later turn adds
-    the previous answer and a new question. Context lengths are uniform in ``context_tokens``."""
+    the previous answer and a new question. Context lengths are uniform in ``context_tokens``,
+    drawn by kvtier.workload.context_tokens: the lengths ``kvtier bench`` uses for the same seed."""
     lo, hi = context_tokens
     if num_sessions < 1 or turns < 1 or lo < 1 or hi < lo:
         raise ValueError("need sessions >= 1, turns >= 1 and a context range 1 <= MIN <= MAX")
-    rng = random.Random(seed)
     out = []
-    for i in range(num_sessions):
-        prompt = rng.randint(lo, hi) + question_tokens
+    for i, context in enumerate(draw_context_tokens(seed, context_tokens, num_sessions)):
+        prompt = context + question_tokens
         session = []
         for k in range(turns):
             session.append(Turn(f"{prefix}{i}", prompt, output_tokens, None, think_s if k else 0.0,
