@@ -152,7 +152,7 @@ def test_serve_refuses_a_second_kv_transfer_config(capsys: pytest.CaptureFixture
 
 
 def test_bench_is_rewritten_only_as_the_command_not_inside_other_arguments():
-    from kvtier.cli.bench_cmd import normalize
+    from kvtier.cli.main import with_default_action as normalize
 
     assert normalize(["bench", "--preset", "quick"]) == ["bench", "run", "--preset", "quick"]
     assert normalize(["-v", "bench", "--url", "u"]) == ["-v", "bench", "run", "--url", "u"]

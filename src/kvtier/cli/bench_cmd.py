@@ -18,6 +18,7 @@ from kvtier.cli.args import add_load_args, add_session_args, positive_ints, toke
 from kvtier.workload import WORKLOADS
 
 SUBCOMMANDS = ("run", "suite", "report")
+DEFAULT_ACTION = "run"  # kvtier bench ARGS = kvtier bench run ARGS (cli.main.with_default_action)
 
 
 def add_parser(sub: Any) -> None:
@@ -89,20 +90,6 @@ def add_parser(sub: Any) -> None:
                                          "result folder; with several, also write comparison.md.")
     report.add_argument("dirs", nargs="+", help="result folders")
     report.add_argument("--out", default=None, help="where to write (default: each run's own folder)")
-
-
-def normalize(argv: list[str]) -> list[str]:
-    """``kvtier bench ARGS`` -> ``kvtier bench run ARGS`` when no action is named.
-
-    Only the command itself (the first argument that is not an option) is looked at: ``bench``
-    elsewhere, e.g. ``kvtier serve -- --served-model-name bench``, is an argument to leave alone.
-    """
-    i = next((j for j, a in enumerate(argv) if not a.startswith("-")), None)
-    if i is not None and argv[i] == "bench":
-        rest = argv[i + 1:]
-        if rest and rest[0] not in (*SUBCOMMANDS, "-h", "--help"):
-            return [*argv[:i + 1], "run", *rest]
-    return argv
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 COMMANDS = ("probe", "pool", "doctor", "serve", "model", "bench", "plan", "demo")
-"""Each is a module ``kvtier.cli.<name>_cmd`` with ``add_parser(sub)`` and ``run(args) -> exit code``."""
+"""Each is a module ``kvtier.cli.<name>_cmd`` with ``add_parser(sub)`` and ``run(args) -> exit code``;
+one with actions may name ``SUBCOMMANDS`` and a ``DEFAULT_ACTION`` taken when none is given."""
 
 
 def _command(name: str) -> Any:
@@ -35,10 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.cli.bench_cmd import normalize
+def with_default_action(argv: list[str]) -> list[str]:
+    """``kvtier CMD ARGS`` -> ``kvtier CMD DEFAULT_ACTION ARGS`` for a command that has a default
+    action and was given none (argparse has no optional sub-command with its own required options).
 
-    args = build_parser().parse_args(normalize(list(sys.argv[1:] if argv is None else argv)))
+    Only the command itself (the first argument that is not an option) is looked at: a command's
+    name elsewhere, e.g. ``kvtier serve -- --served-model-name bench``, is left alone.
+    """
+    i = next((j for j, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is None or argv[i] not in COMMANDS:
+        return argv
+    module = _command(argv[i])
+    default = getattr(module, "DEFAULT_ACTION", None)
+    rest = argv[i + 1:]
+    if default is None or not rest or rest[0] in (*module.SUBCOMMANDS, "-h", "--help"):
+        return argv
+    return [*argv[:i + 1], default, *rest]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(with_default_action(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
