@@ -228,6 +228,18 @@ def _cli_verify(pool: Path) -> tuple[int, dict[str, object]]:
         return done.returncode, {"stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
 
 
+def assert_nothing_lost(row: FaultRow) -> None:
+    """A writer-kill row's verdict: every acknowledged chunk verifies, gc removes exactly the
+    temp files the kills left (none after it), and ``kvtier pool verify`` checks every chunk."""
+    row.check()
+    x = row.extra
+    assert row.requests == x["acknowledged"] > 0
+    assert x["verify_bad"] == []
+    assert x["gc_removed_temp_files"] == x["temp_files"] + x["root_temp_files"]
+    assert x["temp_files_after_gc"] == 0
+    assert (x["cli_verify_rc"], x["cli_verify_checked"]) == (0, x["chunks_in_pool"])
+
+
 def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: bool = True,
                  keep: bool = False, writer_pools: Sequence[Path] | None = None,
                  kill_after_s: tuple[float, float] = KILL_AFTER_S) -> FaultRow:
