@@ -2,7 +2,8 @@
 
 Names are untrusted (a group-shared pool): only a name a chunk can have, in the shard directory
 its key names, is listed as a chunk; sizes and mtimes are the entry's own (``lstat``). Used by
-``ChunkFiles`` (``scan``, ``shard_dirs``, ``scan_shard``, ``temp_files``), which callers use.
+``ChunkFiles`` (``scan``, ``shard_dirs``, ``scan_shard``, ``temp_files``), which callers use;
+``listed`` lists many shard directories on a thread pool, a few ahead (eviction, ``pool gc``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvtier.fileio import TMP_SUFFIX
 from kvtier.keys import DIGEST_BYTES, ChunkKey
@@ -20,6 +23,7 @@ from kvtier.keys import DIGEST_BYTES, ChunkKey
 SUFFIX = ".kvt"
 _NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
 _HEX2 = re.compile(r"[0-9a-f]{2}")
+SCAN_THREADS = 8  # shard directories listed at once: on a network filesystem each listing and lstat is a round trip
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,40 @@ def scan_shard(root: str, shard: str) -> list[ChunkFile]:
             continue  # a stray name, or removed since the listing
         out.append(ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime))
     return out
+
+
+class Shards(Protocol):
+    """A chunk directory that lists a shard directory's chunk files (``ChunkFiles``)."""
+
+    def scan_shard(self, shard: str) -> list[ChunkFile]:
+        ...
+
+
+def listed(files: Shards, order: Sequence[str], pool: cf.ThreadPoolExecutor | None,
+           ahead: int = 2 * SCAN_THREADS) -> Generator[tuple[str, list[ChunkFile]], None, None]:
+    """``(shard, its chunk files)`` for each of ``order``, in that order, listed on ``pool`` up
+    to ``ahead`` directories ahead (inline without a pool). Closing it early cancels what is
+    queued."""
+    if pool is None:
+        for shard in order:
+            yield shard, files.scan_shard(shard)
+        return
+    window: deque[tuple[str, cf.Future[list[ChunkFile]]]] = deque()
+    todo = iter(order)
+    try:
+        while True:
+            while len(window) < ahead:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                window.append((nxt, pool.submit(files.scan_shard, nxt)))
+            if not window:
+                return
+            shard, listing = window.popleft()
+            yield shard, listing.result()
+    finally:
+        for _, listing in window:
+            listing.cancel()
 
 
 def temp_files(root: str, shards: Sequence[str]) -> Iterator[tuple[Path, float]]:
