@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import kvt_files
 from kvtier import TierUnavailableError
 from kvtier.tiers import files as files_mod
 from kvtier.tiers.base import Status, Tier
@@ -36,10 +37,6 @@ def open_disk(tmp_path):
         tier.close()
 
 
-def _kvt_files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.kvt"))
-
-
 def test_speaks_the_tier_protocol(open_disk):
     assert isinstance(open_disk(), Tier)
 
@@ -51,7 +48,7 @@ def test_round_trip_and_file_naming(open_disk, tiny, tmp_path, bits_equal):
     assert disk.store(a, tiny.spec()).status is Status.EXISTS
     h = a.id.key.hex()
     path = tmp_path / "disk" / h[:2] / h[2:4] / f"{h}.kvt"
-    assert _kvt_files(tmp_path / "disk") == [path]
+    assert kvt_files(tmp_path / "disk") == [path]
     assert path.stat().st_size == FILE
     assert (tmp_path / "disk" / ".kvtier").is_file()
     got = disk.load(a.id, tiny.spec())
@@ -87,7 +84,7 @@ def test_exact_lru_eviction_order_within_budget(open_disk, tiny, tmp_path):
     assert disk.store(c, spec).status is Status.EXISTS  # refreshes c
     disk.store(e, spec)  # evicts a
     assert disk.keys() == [d.id.key, c.id.key, e.id.key]
-    on_disk = {p.name for p in _kvt_files(tmp_path / "disk")}
+    on_disk = {p.name for p in kvt_files(tmp_path / "disk")}
     assert on_disk == {f"{ch.id.key.hex()}.kvt" for ch in (c, d, e)}
     snap = disk.metrics.snapshot()
     assert (snap.evictions, snap.evicted_bytes, snap.chunks, snap.bytes) == (2, 2 * FILE, 3, 3 * FILE)
@@ -135,7 +132,7 @@ def test_restart_with_smaller_budget_evicts_oldest(open_disk, tiny, tmp_path):
         os.utime(first.files.path_for(ch.id.key), (now - age, now - age))
     smaller = open_disk(2 * FILE + 100)
     assert smaller.keys() == [chunks[3].id.key, chunks[4].id.key]
-    assert {p.name for p in _kvt_files(tmp_path / "disk")} == {f"{c.id.key.hex()}.kvt" for c in chunks[3:]}
+    assert {p.name for p in kvt_files(tmp_path / "disk")} == {f"{c.id.key.hex()}.kvt" for c in chunks[3:]}
     snap = smaller.metrics.snapshot()
     assert (snap.evictions, snap.chunks, snap.bytes) == (3, 2, 2 * FILE)
 
@@ -174,7 +171,7 @@ def test_new_process_serves_what_an_earlier_process_wrote(tiny, tmp_path, make_s
     # The budget still holds after a restart: the newest sequence fits, the 6 older chunks go.
     store = make_store(host_bytes=0, disk_path=str(disk_path), disk_bytes=2 * FILE + 100)
     assert [store.lookup(tiny.tokens(n, s)).num_tokens for s in seeds] == [0, 0, 0, n]
-    assert len(_kvt_files(disk_path)) == 2
+    assert len(kvt_files(disk_path)) == 2
     snap = store.tiers[0].metrics.snapshot()
     assert (snap.evictions, snap.chunks, snap.bytes) == (6, 2, 2 * FILE)
 
