@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from conftest import kvt_files
 from kvtier import TierUnavailableError
 from kvtier.tiers import files as files_mod
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Chunk, Status, Tier
 from kvtier.tiers.disk import DiskTier
 
 FILE = 8192  # one tiny chunk on disk
@@ -97,16 +98,22 @@ def test_chunk_larger_than_budget_is_refused(open_disk, tiny):
     assert disk.keys() == []
 
 
-def test_restart_serves_old_chunks_in_mtime_lru_order(open_disk, tiny, tmp_path, bits_equal):
+def _stored_by_a_closed_tier(open_disk, tiny, ages_s: Sequence[float]) -> list[Chunk]:
+    """Chunks a disk tier stored and then closed, chunk ``i`` last used ``ages_s[i]`` seconds ago
+    (the recency a restarted process sees)."""
     first = open_disk()
-    chunks = tiny.chunks(4)
+    chunks = tiny.chunks(len(ages_s))
     for ch in chunks:
         first.store(ch, tiny.spec())
     first.close()
-    # Fix the recency the restarted process will see: chunk 2 oldest, then 0, 3, 1.
     now = time.time()
-    for age, i in ((400, 2), (300, 0), (200, 3), (100, 1)):
-        os.utime(first.files.path_for(chunks[i].id.key), (now - age, now - age))
+    for ch, age in zip(chunks, ages_s, strict=True):
+        os.utime(first.files.path_for(ch.id.key), (now - age, now - age))
+    return chunks
+
+
+def test_restart_serves_old_chunks_in_mtime_lru_order(open_disk, tiny, tmp_path, bits_equal):
+    chunks = _stored_by_a_closed_tier(open_disk, tiny, (300, 100, 400, 200))  # 2 oldest, then 0, 3, 1
     # Litter a restart must ignore: a crashed writer's temp file and an unrelated file.
     h = chunks[0].id.key.hex()
     (tmp_path / "disk" / h[:2] / h[2:4] / f"{h}.kvt.123.abcd.tmp").write_bytes(b"partial")
@@ -122,14 +129,7 @@ def test_restart_serves_old_chunks_in_mtime_lru_order(open_disk, tiny, tmp_path,
 
 
 def test_restart_with_smaller_budget_evicts_oldest(open_disk, tiny, tmp_path):
-    first = open_disk()
-    chunks = tiny.chunks(5)
-    for ch in chunks:
-        first.store(ch, tiny.spec())
-    first.close()
-    now = time.time()
-    for age, ch in zip((500, 400, 300, 200, 100), chunks, strict=False):
-        os.utime(first.files.path_for(ch.id.key), (now - age, now - age))
+    chunks = _stored_by_a_closed_tier(open_disk, tiny, (500, 400, 300, 200, 100))
     smaller = open_disk(2 * FILE + 100)
     assert smaller.keys() == [chunks[3].id.key, chunks[4].id.key]
     assert {p.name for p in kvt_files(tmp_path / "disk")} == {f"{c.id.key.hex()}.kvt" for c in chunks[3:]}
