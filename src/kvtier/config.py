@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -221,26 +221,20 @@ _BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster", "host_prefa
 _FLOAT_KEYS = {"read_timeout_s", "tier_cooldown_s", "redis_timeout_s", "redis_ttl_s", "lookup_negative_ttl_s"}
 _NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
                   "redis_options"}
+_ENV_PARSERS: tuple[tuple[Container[str], Callable[[str], object], str], ...] = (
+    ({"redis_options"}, json.loads, "a JSON object"), (_INT_KEYS, int, "an integer"), (_FLOAT_KEYS, float, "a number"))
+"""How a ``KVTIER_*`` value of those keys is parsed, and what the error says it expected."""
 
 
 def _coerce_env(name: str, raw: str) -> object:
     if raw.lower() in ("", "none", "null") and name in _NULLABLE_KEYS:
         return None
-    if name == "redis_options":
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise ValueError(f"KVTIER_REDIS_OPTIONS: expected a JSON object, got {raw!r}") from None
-    if name in _INT_KEYS:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"KVTIER_{name.upper()}: expected an integer, got {raw!r}") from None
-    if name in _FLOAT_KEYS:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"KVTIER_{name.upper()}: expected a number, got {raw!r}") from None
+    for keys, parse, expected in _ENV_PARSERS:
+        if name in keys:
+            try:
+                return parse(raw)
+            except ValueError:  # json.JSONDecodeError is one
+                raise ValueError(f"KVTIER_{name.upper()}: expected {expected}, got {raw!r}") from None
     if name in _BOOL_KEYS:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
