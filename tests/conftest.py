@@ -1,14 +1,17 @@
 """Tiny factories shared by the tests: a 2-layer, 2-head, 8-dim layout with 16-token chunks.
 
 One chunk is 2048 payload bytes (8192 on disk with its 4096-byte header and padding), so a
-test can store dozens of chunks in milliseconds.
+test can store dozens of chunks in milliseconds. Also the fixtures and helpers of the chunk
+directory tests: ``pool_dir``, ``open_pool``, ``kvt_files``, ``bytes_on_disk``, ``within``.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES
 from kvtier.tiers.base import Chunk
+from kvtier.tiers.pool import PoolTier
 
 CHUNK_TOKENS = 16
 MODEL_ID = "tiny-llama"
@@ -117,6 +121,48 @@ def make_store(tiny: Tiny) -> Iterator[Any]:
 @pytest.fixture
 def bits_equal() -> Any:
     return assert_bits_equal
+
+
+def within(fn: Callable[[], Any], seconds: float) -> Any:
+    """``fn()``'s result if it returns within ``seconds``; AssertionError if it blocks (it is left
+    running on a daemon thread)."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} blocked for over {seconds} s"
+    return out[0] if out else None
+
+
+def kvt_files(root: Path) -> list[Path]:
+    """The chunk files (``*.kvt``) under ``root``, sorted; temp files are not among them."""
+    return sorted(root.rglob("*.kvt"))
+
+
+def bytes_on_disk(root: Path) -> int:
+    """The sizes of the chunk files under ``root``, summed (what a pool's budget counts)."""
+    return sum(p.stat().st_size for p in kvt_files(root))
+
+
+@pytest.fixture
+def pool_dir(tmp_path: Path) -> Path:
+    return tmp_path / "pool"
+
+
+@pytest.fixture
+def open_pool(pool_dir: Path) -> Iterator[Callable[..., PoolTier]]:
+    """``open_pool(capacity_bytes=None, **PoolTier options)`` -> a PoolTier on ``pool_dir``, closed
+    after the test; call it again for another instance sharing the directory."""
+    tiers: list[PoolTier] = []
+
+    def factory(capacity_bytes: int | None = None, **kw: Any) -> PoolTier:
+        tier = PoolTier(pool_dir, capacity_bytes, **kw)
+        tiers.append(tier)
+        return tier
+
+    yield factory
+    for tier in tiers:
+        tier.close()
 
 
 # tests/hicache/ runs in the SGLang venv (scripts/sglang-venv.sh; scripts/test.sh runs it there):

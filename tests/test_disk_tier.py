@@ -8,13 +8,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from conftest import kvt_files
 from kvtier import TierUnavailableError
 from kvtier.tiers import files as files_mod
-from kvtier.tiers.base import Status, Tier
+from kvtier.tiers.base import Chunk, Status, Tier
 from kvtier.tiers.disk import DiskTier
 
 FILE = 8192  # one tiny chunk on disk
@@ -36,10 +38,6 @@ def open_disk(tmp_path):
         tier.close()
 
 
-def _kvt_files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.kvt"))
-
-
 def test_speaks_the_tier_protocol(open_disk):
     assert isinstance(open_disk(), Tier)
 
@@ -51,7 +49,7 @@ def test_round_trip_and_file_naming(open_disk, tiny, tmp_path, bits_equal):
     assert disk.store(a, tiny.spec()).status is Status.EXISTS
     h = a.id.key.hex()
     path = tmp_path / "disk" / h[:2] / h[2:4] / f"{h}.kvt"
-    assert _kvt_files(tmp_path / "disk") == [path]
+    assert kvt_files(tmp_path / "disk") == [path]
     assert path.stat().st_size == FILE
     assert (tmp_path / "disk" / ".kvtier").is_file()
     got = disk.load(a.id, tiny.spec())
@@ -87,7 +85,7 @@ def test_exact_lru_eviction_order_within_budget(open_disk, tiny, tmp_path):
     assert disk.store(c, spec).status is Status.EXISTS  # refreshes c
     disk.store(e, spec)  # evicts a
     assert disk.keys() == [d.id.key, c.id.key, e.id.key]
-    on_disk = {p.name for p in _kvt_files(tmp_path / "disk")}
+    on_disk = {p.name for p in kvt_files(tmp_path / "disk")}
     assert on_disk == {f"{ch.id.key.hex()}.kvt" for ch in (c, d, e)}
     snap = disk.metrics.snapshot()
     assert (snap.evictions, snap.evicted_bytes, snap.chunks, snap.bytes) == (2, 2 * FILE, 3, 3 * FILE)
@@ -100,16 +98,22 @@ def test_chunk_larger_than_budget_is_refused(open_disk, tiny):
     assert disk.keys() == []
 
 
-def test_restart_serves_old_chunks_in_mtime_lru_order(open_disk, tiny, tmp_path, bits_equal):
+def _stored_by_a_closed_tier(open_disk, tiny, ages_s: Sequence[float]) -> list[Chunk]:
+    """Chunks a disk tier stored and then closed, chunk ``i`` last used ``ages_s[i]`` seconds ago
+    (the recency a restarted process sees)."""
     first = open_disk()
-    chunks = tiny.chunks(4)
+    chunks = tiny.chunks(len(ages_s))
     for ch in chunks:
         first.store(ch, tiny.spec())
     first.close()
-    # Fix the recency the restarted process will see: chunk 2 oldest, then 0, 3, 1.
     now = time.time()
-    for age, i in ((400, 2), (300, 0), (200, 3), (100, 1)):
-        os.utime(first.files.path_for(chunks[i].id.key), (now - age, now - age))
+    for ch, age in zip(chunks, ages_s, strict=True):
+        os.utime(first.files.path_for(ch.id.key), (now - age, now - age))
+    return chunks
+
+
+def test_restart_serves_old_chunks_in_mtime_lru_order(open_disk, tiny, tmp_path, bits_equal):
+    chunks = _stored_by_a_closed_tier(open_disk, tiny, (300, 100, 400, 200))  # 2 oldest, then 0, 3, 1
     # Litter a restart must ignore: a crashed writer's temp file and an unrelated file.
     h = chunks[0].id.key.hex()
     (tmp_path / "disk" / h[:2] / h[2:4] / f"{h}.kvt.123.abcd.tmp").write_bytes(b"partial")
@@ -125,17 +129,10 @@ def test_restart_serves_old_chunks_in_mtime_lru_order(open_disk, tiny, tmp_path,
 
 
 def test_restart_with_smaller_budget_evicts_oldest(open_disk, tiny, tmp_path):
-    first = open_disk()
-    chunks = tiny.chunks(5)
-    for ch in chunks:
-        first.store(ch, tiny.spec())
-    first.close()
-    now = time.time()
-    for age, ch in zip((500, 400, 300, 200, 100), chunks, strict=False):
-        os.utime(first.files.path_for(ch.id.key), (now - age, now - age))
+    chunks = _stored_by_a_closed_tier(open_disk, tiny, (500, 400, 300, 200, 100))
     smaller = open_disk(2 * FILE + 100)
     assert smaller.keys() == [chunks[3].id.key, chunks[4].id.key]
-    assert {p.name for p in _kvt_files(tmp_path / "disk")} == {f"{c.id.key.hex()}.kvt" for c in chunks[3:]}
+    assert {p.name for p in kvt_files(tmp_path / "disk")} == {f"{c.id.key.hex()}.kvt" for c in chunks[3:]}
     snap = smaller.metrics.snapshot()
     assert (snap.evictions, snap.chunks, snap.bytes) == (3, 2, 2 * FILE)
 
@@ -174,7 +171,7 @@ def test_new_process_serves_what_an_earlier_process_wrote(tiny, tmp_path, make_s
     # The budget still holds after a restart: the newest sequence fits, the 6 older chunks go.
     store = make_store(host_bytes=0, disk_path=str(disk_path), disk_bytes=2 * FILE + 100)
     assert [store.lookup(tiny.tokens(n, s)).num_tokens for s in seeds] == [0, 0, 0, n]
-    assert len(_kvt_files(disk_path)) == 2
+    assert len(kvt_files(disk_path)) == 2
     snap = store.tiers[0].metrics.snapshot()
     assert (snap.evictions, snap.chunks, snap.bytes) == (6, 2, 2 * FILE)
 

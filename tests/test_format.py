@@ -39,6 +39,14 @@ def _fault(fn) -> ChunkFault:
     return info.value.fault
 
 
+def _decode_flipped(tiny, byte: int, mask: int) -> ChunkFault:
+    """The fault decoding a one-chunk file image raises once ``image[byte] ^= mask``."""
+    (chunk,) = tiny.chunks(1)
+    image = tiny.image(chunk)
+    image[byte] ^= mask
+    return _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id))
+
+
 def test_sizes_are_aligned(tiny):
     spec = tiny.spec()
     assert spec.payload_bytes == 2048
@@ -94,26 +102,17 @@ def test_truncated(tiny):
 
 
 def test_bad_magic(tiny):
-    (chunk,) = tiny.chunks(1)
-    image = tiny.image(chunk)
-    image[0] ^= 0x01
-    assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.BAD_MAGIC
+    assert _decode_flipped(tiny, 0, 0x01) is ChunkFault.BAD_MAGIC
 
 
 @pytest.mark.parametrize("byte", [8, 20, 100, _FIELDS.size - 1, _FIELDS.size + 3])
 def test_header_bit_flip(tiny, byte):
-    (chunk,) = tiny.chunks(1)
-    image = tiny.image(chunk)
-    image[byte] ^= 0x10
-    assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.HEADER_CHECKSUM
+    assert _decode_flipped(tiny, byte, 0x10) is ChunkFault.HEADER_CHECKSUM
 
 
 @pytest.mark.parametrize("byte", [PAYLOAD_OFFSET, PAYLOAD_OFFSET + 1000, PAYLOAD_OFFSET + 2047])
 def test_payload_bit_flip(tiny, byte):
-    (chunk,) = tiny.chunks(1)
-    image = tiny.image(chunk)
-    image[byte] ^= 0x80
-    assert _fault(lambda: tiny.spec().decode(memoryview(image), chunk.id)) is ChunkFault.PAYLOAD_CHECKSUM
+    assert _decode_flipped(tiny, byte, 0x80) is ChunkFault.PAYLOAD_CHECKSUM
 
 
 def test_wrong_format_version(tiny):
@@ -203,12 +202,8 @@ def test_header_parser_on_self_consistent_random_headers(fields, version, header
 @_hyp
 @given(bit=st.integers(0, (HEADER_STRUCT_BYTES + 2048) * 8 - 1))
 def test_any_bit_flip_in_checked_bytes_is_rejected(tiny, bit):
-    (chunk,) = tiny.chunks(1)
-    image = tiny.image(chunk)
     byte = bit // 8 if bit // 8 < HEADER_STRUCT_BYTES else PAYLOAD_OFFSET + bit // 8 - HEADER_STRUCT_BYTES
-    image[byte] ^= 1 << (bit % 8)
-    with pytest.raises(ChunkError):
-        tiny.spec().decode(memoryview(image), chunk.id)
+    _decode_flipped(tiny, byte, 1 << (bit % 8))  # raises unless decode rejects it
 
 
 @_hyp

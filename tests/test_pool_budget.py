@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import bytes_on_disk, within
 from kvtier import TieredStore, admin
 from kvtier.tiers import evict as evict_mod
 from kvtier.tiers import ledger as ledger_mod
@@ -35,29 +36,6 @@ from kvtier.tiers.poollock import PoolLocks
 
 FILE = 8192
 TESTS = Path(__file__).parent
-
-
-@pytest.fixture
-def pool_dir(tmp_path) -> Path:
-    return tmp_path / "pool"
-
-
-@pytest.fixture
-def open_pool(pool_dir):
-    tiers: list[PoolTier] = []
-
-    def factory(capacity_bytes: int | None = None, **kw) -> PoolTier:
-        tier = PoolTier(pool_dir, capacity_bytes, **kw)
-        tiers.append(tier)
-        return tier
-
-    yield factory
-    for tier in tiers:
-        tier.close()
-
-
-def _on_disk(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*.kvt"))
 
 
 def _sparse_pool(root: Path, n: int, size: int = FILE, mtime: float | None = None,
@@ -77,15 +55,6 @@ def _sparse_pool(root: Path, n: int, size: int = FILE, mtime: float | None = Non
         os.utime(path, (t, t))
         paths.append(path)
     return paths
-
-
-def _within(fn, seconds: float):
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"{fn} blocked for over {seconds} s"
-    return out[0] if out else None
 
 
 @contextmanager
@@ -189,7 +158,7 @@ def test_eviction_does_not_run_on_the_writers_thread(tiny, pool_dir, monkeypatch
             s.flush()
         s.tiers[0].sync()
         assert s.tiers[0].evictor.settle()
-        assert _on_disk(pool_dir) <= 6 * tiny.file_bytes
+        assert bytes_on_disk(pool_dir) <= 6 * tiny.file_bytes
     assert unlinks and stores
     assert not set(unlinks) & set(stores)
 
@@ -219,7 +188,7 @@ def test_a_crashed_instance_is_missing_at_most_its_unwritten_bytes_until_gc(pool
     admin.gc(ChunkFiles(pool_dir).root, 1 << 40)  # an empty pool, counted: total 0
     _die_without_closing(pool_dir, n=7, sync_bytes=3 * FILE)
     # It wrote its ledger before the 4th and the 7th chunk: 6 of 7 chunks are counted.
-    assert (read_usage(pool_dir).total, _on_disk(pool_dir)) == (6 * FILE, 7 * FILE)
+    assert (read_usage(pool_dir).total, bytes_on_disk(pool_dir)) == (6 * FILE, 7 * FILE)
     assert admin.gc(pool_dir, 1 << 40).bytes_after == 7 * FILE
     assert read_usage(pool_dir).total == 7 * FILE  # re-anchored
 
@@ -305,9 +274,9 @@ def test_a_hostile_ledger_costs_nothing(open_pool, pool_dir, tiny, kind):
         pool.store(chunk, tiny.spec())
     (pool_dir / LEDGER_DIR).mkdir(exist_ok=True)
     HOSTILE[kind](pool_dir / LEDGER_DIR / "evil-1-ab.json")
-    assert _within(pool.sync, 5.0) == 3 * FILE  # ignored, as if absent
-    assert _within(lambda: fold_dead(pool.files, pool.locks, ["evil-1-ab"], time.time() + 2 * STALE_S), 5.0) == []
-    assert _within(pool.evictor.settle, 10.0)
+    assert within(pool.sync, 5.0) == 3 * FILE  # ignored, as if absent
+    assert within(lambda: fold_dead(pool.files, pool.locks, ["evil-1-ab"], time.time() + 2 * STALE_S), 5.0) == []
+    assert within(pool.evictor.settle, 10.0)
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
@@ -318,10 +287,10 @@ def test_a_hostile_base_means_a_count(open_pool, pool_dir, tiny, kind):
     HOSTILE[kind](pool_dir / ".usage")
     for chunk in tiny.chunks(4):
         pool.store(chunk, tiny.spec())
-    _within(pool.sync, 5.0)
+    within(pool.sync, 5.0)
     pool.evictor._counted_at = -1e9  # as if its last count were long ago (a count is retried every 600 s)
-    assert _within(pool.evictor.settle, 10.0)
-    assert _on_disk(pool_dir) <= 2 * FILE and read_usage(pool_dir).total == _on_disk(pool_dir)
+    assert within(pool.evictor.settle, 10.0)
+    assert bytes_on_disk(pool_dir) <= 2 * FILE and read_usage(pool_dir).total == bytes_on_disk(pool_dir)
     assert (pool_dir / ".usage").is_file() and not (pool_dir / ".usage").is_symlink()
 
 
@@ -368,7 +337,7 @@ def test_two_evictors_without_a_lock_are_harmless(open_pool, pool_dir, monkeypat
     assert sum(s.evictions for s in snaps) == len(removed)
     logged = (pool_dir / ".evicted").read_text().split()
     assert len(logged) == len(set(logged)) == len(removed)
-    assert read_usage(pool_dir).total >= _on_disk(pool_dir)  # never under
+    assert read_usage(pool_dir).total >= bytes_on_disk(pool_dir)  # never under
 
 
 def test_an_unlink_another_evictor_got_to_first_is_not_counted(open_pool, pool_dir, monkeypatch):
@@ -444,10 +413,10 @@ def test_the_first_sync_of_a_pool_without_accounting_counts_nothing_on_the_calle
 
     monkeypatch.setattr(ChunkFiles, "scan_shard", scan_shard)
     pool = open_pool(capacity_bytes=1 << 40)
-    _within(pool.sync, 5.0)
+    within(pool.sync, 5.0)
     assert pool.evictor.settle()
     assert scans and threading.get_ident() not in scans
-    assert read_usage(pool_dir).total == 500 * FILE == _on_disk(pool_dir)
+    assert read_usage(pool_dir).total == 500 * FILE == bytes_on_disk(pool_dir)
 
 
 def test_an_old_total_is_recounted(open_pool, pool_dir):
@@ -476,17 +445,17 @@ def test_the_cap_refuses_and_counts_and_holds_the_stated_bound_while_eviction_is
             t0 = time.monotonic()
             results.append((a, b)[i % 2].store(chunk, tiny.spec()))
             assert time.monotonic() - t0 < 2.0  # refused, never waited for
-            assert _on_disk(pool_dir) <= bound
+            assert bytes_on_disk(pool_dir) <= bound
         refused = [r for r in results if r.status is Status.FAILED]
         assert refused and all("budget cap" in r.error for r in refused)
         assert a.metrics.snapshot().budget_refusals + b.metrics.snapshot().budget_refusals == len(refused)
-        assert capacity < _on_disk(pool_dir) <= bound
+        assert capacity < bytes_on_disk(pool_dir) <= bound
     finally:
         os.close(lease)
     for tier in (a, b):
         tier.sync()
         assert tier.evictor.settle()
-    assert _on_disk(pool_dir) <= capacity
+    assert bytes_on_disk(pool_dir) <= capacity
     a.sync()  # (a writer over the cap reads the total again at most every second by itself)
     assert a.store(tiny.chunks(1, seed=99)[0], tiny.spec()).status is Status.WRITTEN
 
@@ -512,7 +481,7 @@ def test_gc_is_exact_and_re_anchors_the_count(pool_dir, tiny, monkeypatch):
     assert (report.evicted_chunks, report.bytes_after) == (4, 5 * FILE)
     left = {f.key for f in ChunkFiles(pool_dir, create=False).scan()}
     assert left == {c.id.key for c in (chunks[0], chunks[1], *chunks[7:])}  # oldest first, retained last
-    assert read_usage(pool_dir).total == 5 * FILE == _on_disk(pool_dir)
+    assert read_usage(pool_dir).total == 5 * FILE == bytes_on_disk(pool_dir)
     assert all(Path(p).name == LEDGER_DIR for p in seen["scandir"])  # the listing ran unlocked
     assert admin.gc(pool_dir, FILE).evicted_chunks == 4
     assert {f.key for f in ChunkFiles(pool_dir, create=False).scan()} == {chunks[1].id.key}

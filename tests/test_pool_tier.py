@@ -12,41 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import bytes_on_disk, kvt_files, within
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, payload_checksum, unpack_header
 from kvtier.tiers import files as files_mod
 from kvtier.tiers.base import Status, Tier
 from kvtier.tiers.ledger import read_usage
-from kvtier.tiers.pool import PoolTier, parse_pool_url
+from kvtier.tiers.pool import parse_pool_url
 
 FILE = 8192
 WORKERS = Path(__file__).with_name("_workers.py")
-
-
-@pytest.fixture
-def pool_dir(tmp_path) -> Path:
-    return tmp_path / "pool"
-
-
-@pytest.fixture
-def open_pool(pool_dir):
-    tiers: list[PoolTier] = []
-
-    def factory(capacity_bytes: int | None = None, **kw) -> PoolTier:
-        tier = PoolTier(pool_dir, capacity_bytes, **kw)
-        tiers.append(tier)
-        return tier
-
-    yield factory
-    for tier in tiers:
-        tier.close()
-
-
-def _kvt_files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.kvt"))
-
-
-def _bytes_on_disk(root: Path) -> int:
-    return sum(p.stat().st_size for p in _kvt_files(root))
 
 
 def _total(root: Path) -> int | None:
@@ -84,7 +58,7 @@ def test_round_trip_across_instances(open_pool, tiny, bits_equal):
     assert b_tier.load(chunks[2].id, tiny.spec()).status is Status.MISS
     # Two writers of the same chunk: harmless, the second sees it is there.
     assert b_tier.store(chunks[0], tiny.spec()).status is Status.EXISTS
-    assert len(_kvt_files(a_tier.files.root)) == 2
+    assert len(kvt_files(a_tier.files.root)) == 2
     assert (a_tier.metrics.snapshot().written_chunks, b_tier.metrics.snapshot().bytes_read) == (2, 4096)
 
 
@@ -240,18 +214,18 @@ def test_budget_holds_across_instances_with_exact_lru(open_pool, tiny, pool_dir)
             os.utime(tiers[0].files.path_for(ch.id.key), (base + i, base + i))
         else:
             assert "cap" in result.error  # refused, never blocked: eviction was behind
-        assert _bytes_on_disk(pool_dir) <= bound
+        assert bytes_on_disk(pool_dir) <= bound
     for tier in tiers:
         tier.sync()
     for tier in tiers:
         assert tier.evictor.settle()
     left = {f.key for f in tiers[0].files.scan()}
-    assert 0 < len(left) <= 10 and _bytes_on_disk(pool_dir) <= capacity
+    assert 0 < len(left) <= 10 and bytes_on_disk(pool_dir) <= capacity
     assert left == {ch.id.key for ch in written[-len(left):]}  # the newest ones, exactly
     evicted = sum(t.metrics.snapshot().evictions for t in tiers)
     refused = sum(t.metrics.snapshot().budget_refusals for t in tiers)
     assert evicted == len(written) - len(left) and refused == len(chunks) - len(written)
-    assert _total(pool_dir) == _bytes_on_disk(pool_dir)
+    assert _total(pool_dir) == bytes_on_disk(pool_dir)
 
 
 def test_budget_holds_across_two_stores(make_store, tiny, pool_dir):
@@ -266,10 +240,10 @@ def test_budget_holds_across_two_stores(make_store, tiny, pool_dir):
         store.tiers[0].sync()  # each instance's bytes into its ledger, the other's read
     for store in stores:
         assert store.tiers[0].evictor.settle()
-    assert _bytes_on_disk(pool_dir) <= capacity
-    assert _total(pool_dir) == _bytes_on_disk(pool_dir)
+    assert bytes_on_disk(pool_dir) <= capacity
+    assert _total(pool_dir) == bytes_on_disk(pool_dir)
     evicted = sum(s.metrics_snapshot()["tiers"]["pool"]["evictions"] for s in stores)
-    assert evicted == 16 - len(_kvt_files(pool_dir)) == 7  # down to the 90% low watermark
+    assert evicted == 16 - len(kvt_files(pool_dir)) == 7  # down to the 90% low watermark
 
 
 def test_eviction_racing_readers_never_yields_corrupt_data(open_pool, tiny, bits_equal):
@@ -320,7 +294,7 @@ def test_two_processes_write_and_read_one_pool_concurrently(tiny, tmp_path, pool
     checked_files = 0
     deadline = time.monotonic() + 90
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        for path in _kvt_files(pool_dir) if pool_dir.exists() else []:
+        for path in kvt_files(pool_dir) if pool_dir.exists() else []:
             image = path.read_bytes()
             assert len(image) == FILE, f"partial chunk visible: {path.name} has {len(image)} B"
             try:
@@ -339,7 +313,7 @@ def test_two_processes_write_and_read_one_pool_concurrently(tiny, tmp_path, pool
     # Each read back 1 shared + 4 own + 4 peer sequences of 4 chunks, all bit-exact.
     assert results == [{"checked": 9, "corrupt": 0, "failed_writes": 0}] * 2
     assert checked_files > 0
-    assert len(_kvt_files(pool_dir)) == 9 * 4  # the shared sequence stored once
+    assert len(kvt_files(pool_dir)) == 9 * 4  # the shared sequence stored once
     assert list(pool_dir.rglob("*.tmp")) == []
 
     store = make_store(host_bytes=0, pool_url=f"fs://{pool_dir}")
@@ -405,16 +379,6 @@ def test_every_eviction_is_logged_for_the_other_instances(open_pool, tiny, pool_
 
 # -- hostile metadata files and a filesystem that cannot lock (docs/reliability.md) -----------
 
-def _within(fn, seconds: float):
-    """``fn()``'s result if it returns within ``seconds``; AssertionError if it blocks."""
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"{fn} blocked for over {seconds} s"
-    return out[0] if out else None
-
-
 def test_a_fifo_planted_as_usage_never_blocks_sync(open_pool, tiny, pool_dir):
     """Before: sync() opened .usage for reading and blocked on the FIFO forever, holding the
     fleet-wide lock, so every instance's writer hung behind it."""
@@ -424,10 +388,10 @@ def test_a_fifo_planted_as_usage_never_blocks_sync(open_pool, tiny, pool_dir):
     os.mkfifo(pool_dir / ".usage")
     for ch in tiny.chunks(5):
         pool.store(ch, tiny.spec())
-    _within(pool.sync, 5.0)
-    assert _within(pool.evictor.settle, 10.0)
-    assert _bytes_on_disk(pool_dir) <= 3 * FILE  # counted and evicted as if .usage were missing
-    assert _total(pool_dir) == _bytes_on_disk(pool_dir)
+    within(pool.sync, 5.0)
+    assert within(pool.evictor.settle, 10.0)
+    assert bytes_on_disk(pool_dir) <= 3 * FILE  # counted and evicted as if .usage were missing
+    assert _total(pool_dir) == bytes_on_disk(pool_dir)
     assert not (pool_dir / ".usage").is_fifo()  # replaced by a real base
 
 
@@ -436,7 +400,7 @@ def test_a_symlink_planted_as_the_eviction_log_is_never_read(open_pool, tiny, po
     reader = open_pool()
     reader.read_evictions()
     (pool_dir / ".evicted").symlink_to("/dev/zero")
-    assert _within(reader.read_evictions, 5.0) == []
+    assert within(reader.read_evictions, 5.0) == []
     writer = open_pool()
     for ch in tiny.chunks(2):
         writer.store(ch, tiny.spec())
@@ -463,7 +427,7 @@ def test_a_fifo_planted_as_the_eviction_log_never_blocks_an_eviction(open_pool, 
     for ch in tiny.chunks(3):
         pool.store(ch, tiny.spec())
     os.mkfifo(pool_dir / ".evicted")
-    assert _within(lambda: pool.evict(0), 5.0) == 3
+    assert within(lambda: pool.evict(0), 5.0) == 3
 
 
 @pytest.mark.parametrize("usage", [{"bytes": -10**18, "anchored_at": time.time()},
@@ -479,8 +443,8 @@ def test_nonsense_in_usage_means_a_recount(open_pool, tiny, pool_dir, usage):
         pool.store(ch, tiny.spec())
     pool.sync()
     assert pool.evictor.settle()
-    assert _bytes_on_disk(pool_dir) <= 2 * FILE
-    assert _total(pool_dir) == _bytes_on_disk(pool_dir)  # the count replaced the nonsense
+    assert bytes_on_disk(pool_dir) <= 2 * FILE
+    assert _total(pool_dir) == bytes_on_disk(pool_dir)  # the count replaced the nonsense
 
 
 def test_a_filesystem_that_cannot_lock_still_keeps_the_budget_and_no_bytes_are_lost(open_pool, tiny, pool_dir,
@@ -502,11 +466,11 @@ def test_a_filesystem_that_cannot_lock_still_keeps_the_budget_and_no_bytes_are_l
     for ch in tiny.chunks(6):
         pool.store(ch, tiny.spec())  # over budget: the evictor runs, unlocked
     assert pool.evictor.settle()
-    assert _bytes_on_disk(pool_dir) <= 3 * FILE
+    assert bytes_on_disk(pool_dir) <= 3 * FILE
     assert pool.metrics.snapshot().lock_failures >= 2
     pool.sync()  # the counts of a ledger never written before (sync_bytes is huge) are all there
     added, removed = pool.ledger.added, pool.ledger.removed
-    assert (added, added - removed) == (6 * FILE, _bytes_on_disk(pool_dir))
+    assert (added, added - removed) == (6 * FILE, bytes_on_disk(pool_dir))
     monkeypatch.setattr(poollock_mod.fcntl, "flock", fcntl.flock)
 
 
@@ -536,14 +500,14 @@ def test_a_lock_file_replaced_by_a_symlink_or_fifo_is_not_used(open_pool, tiny, 
     (pool_dir / ".lock").symlink_to(target)
     for ch in tiny.chunks(4):
         pool.store(ch, tiny.spec())
-    _within(pool.sync, 5.0)
-    assert _within(pool.evictor.settle, 10.0)
-    assert _bytes_on_disk(pool_dir) <= 2 * FILE
+    within(pool.sync, 5.0)
+    assert within(pool.evictor.settle, 10.0)
+    assert bytes_on_disk(pool_dir) <= 2 * FILE
     assert pool.metrics.snapshot().lock_failures >= 1  # the anchor's ROOT/.lock
     (pool_dir / ".lock").unlink()
     os.mkfifo(pool_dir / ".lock")
     for ch in tiny.chunks(4, seed=5):
         pool.store(ch, tiny.spec())
-    _within(pool.sync, 5.0)
-    assert _within(pool.evictor.settle, 10.0)
-    assert _bytes_on_disk(pool_dir) <= 2 * FILE
+    within(pool.sync, 5.0)
+    assert within(pool.evictor.settle, 10.0)
+    assert bytes_on_disk(pool_dir) <= 2 * FILE

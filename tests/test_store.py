@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import kvt_files
 from kvtier import KVLayout, PutResult, TieredStore, TierUnavailableError
 from kvtier.format import HEADER_BYTES, PAYLOAD_OFFSET, ChunkSpec, unpack_header
 from kvtier.keys import FORMAT_VERSION, ChunkId
@@ -69,10 +70,6 @@ def gate_tier():
     tier.gate.set()  # never leave a writer thread blocked
 
 
-def _kvt_files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.kvt"))
-
-
 # -- round trips ----------------------------------------------------------------------------------
 
 
@@ -109,7 +106,7 @@ def test_put_chunk_now_writes_every_tier_before_it_returns(make_store, tiny, tmp
     first, second = store.chunk_ids(tokens)
     assert store.put_chunk_now(first, kv[:, :, :16]) is True
     assert store.write_queue == 0 and store.lookup(tokens).chunk_tiers == ("disk",)  # no flush needed
-    assert len(_kvt_files(tmp_path / "d")) == 1 and len(_kvt_files(tmp_path / "p")) == 1
+    assert len(kvt_files(tmp_path / "d")) == 1 and len(kvt_files(tmp_path / "p")) == 1
     assert store.put_chunk_now(first, kv[:, :, :16]) is True  # already there: still true
     assert store.put_chunk_now(second, lambda buf: buf.copy_(kv[:, :, 16:])) is True
     bits_equal(store.get(tokens), kv)
@@ -132,7 +129,7 @@ def test_begin_put_is_invisible_until_committed_and_abandon_frees_it(make_store,
     assert dropped is not None
     dropped.abandon()
     store.flush()
-    assert store.lookup(tokens).num_chunks == 1 and len(_kvt_files(tmp_path / "d")) == 1
+    assert store.lookup(tokens).num_chunks == 1 and len(kvt_files(tmp_path / "d")) == 1
     bits_equal(store.get(tokens[:16]), kv[:, :, :16])
 
 
@@ -199,7 +196,7 @@ def test_get_raises_key_error_once_a_chunk_is_gone(make_store, tiny, tmp_path):
     store.flush()
     assert store.lookup(tokens).num_tokens == 32
     store.host.evict(0)
-    for f in _kvt_files(tmp_path / "p"):
+    for f in kvt_files(tmp_path / "p"):
         f.unlink()
     assert store.lookup(tokens).num_tokens == 0
     with pytest.raises(KeyError):
@@ -635,7 +632,7 @@ def test_disk_full_is_a_counted_failed_write_not_a_crash(tiny, tiny_tmpfs, bits_
         snap = store.metrics_snapshot()["tiers"]["disk"]
         assert snap["failed_writes"] > 0
         assert snap["written_chunks"] + snap["failed_writes"] == n_chunks
-        files = _kvt_files(tiny_tmpfs)
+        files = kvt_files(tiny_tmpfs)
         assert len(files) == snap["written_chunks"] == snap["chunks"]
         assert all(f.stat().st_size == SLOT for f in files)  # no partial chunk under a final name
         assert list(tiny_tmpfs.rglob("*.tmp")) == []

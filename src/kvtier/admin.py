@@ -35,10 +35,11 @@ from kvtier.keys import DIGEST_BYTES, ChunkKey, recompute_key
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
 from kvtier.threads import executor
-from kvtier.tiers.evict import LOG_BATCH, SCAN_THREADS, listed
+from kvtier.tiers.evict import LOG_BATCH
 from kvtier.tiers.evictlog import EvictionLog
 from kvtier.tiers.files import MARKER, ChunkFiles
 from kvtier.tiers.ledger import anchor, fold_dead, read_usage, remove_orphans
+from kvtier.tiers.listing import SCAN_THREADS, listed
 from kvtier.tiers.poollock import PoolLocks
 
 

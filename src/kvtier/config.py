@@ -4,7 +4,8 @@ Precedence (later wins): YAML file or dict < ``KVTIER_*`` environment variables 
 overrides. In a YAML file, ``${NAME}`` (or ``${NAME:-default}``) in a value is replaced by that
 environment variable, so secrets (``redis_password``, a ``pool_url``'s credentials,
 ``tenant_salt``) need not be written in the file; a variable that is unset and has no default
-is an error naming it (never its value). Sizes accept ints (bytes) or strings such as ``"2GiB"``, ``"512MB"``, ``"1.5G"``.
+is an error naming it (never its value). Sizes accept ints (bytes) or strings such as
+``"2GiB"``, ``"512MB"``, ``"1.5G"``.
 LMCache-style names are accepted as aliases (``chunk_size``, ``max_local_cpu_size`` and
 ``max_local_disk_size`` in GB, ``local_disk``, ``remote_url``).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ import yaml
 
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
+from kvtier.urls import is_redis_url, parse_pool_url, parse_redis_url
+from kvtier.urls import redact_url as redact_url  # its old home: kvtier.config.redact_url
 
 GiB = 1 << 30
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -136,9 +139,6 @@ class StoreConfig:
                 or self.tier_cooldown_s < 0:
             raise ValueError(f"tier_cooldown_s: must be >= 0 seconds, got {self.tier_cooldown_s!r}")
         if self.pool_url is not None:
-            from kvtier.tiers.pool import parse_pool_url
-            from kvtier.tiers.redis import is_redis_url, parse_redis_url
-
             if is_redis_url(self.pool_url):
                 _check_redis(self)
                 if parse_redis_url(self.pool_url).db and self.redis_cluster:
@@ -177,11 +177,6 @@ class StoreConfig:
 
 def _secret_key(name: str) -> bool:
     return any(word in name.lower() for word in ("pass", "secret", "token", "key"))
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its user info replaced by ``***`` (``redis://u:***@host``)."""
-    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 def _check_redis(c: StoreConfig) -> None:
@@ -226,26 +221,20 @@ _BOOL_KEYS = {"fsync", "direct_io", "group_access", "redis_cluster", "host_prefa
 _FLOAT_KEYS = {"read_timeout_s", "tier_cooldown_s", "redis_timeout_s", "redis_ttl_s", "lookup_negative_ttl_s"}
 _NULLABLE_KEYS = {"disk_path", "pool_url", "pool_bytes", "redis_ttl_s", "redis_username", "redis_password",
                   "redis_options"}
+_ENV_PARSERS: tuple[tuple[Container[str], Callable[[str], object], str], ...] = (
+    ({"redis_options"}, json.loads, "a JSON object"), (_INT_KEYS, int, "an integer"), (_FLOAT_KEYS, float, "a number"))
+"""How a ``KVTIER_*`` value of those keys is parsed, and what the error says it expected."""
 
 
 def _coerce_env(name: str, raw: str) -> object:
     if raw.lower() in ("", "none", "null") and name in _NULLABLE_KEYS:
         return None
-    if name == "redis_options":
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise ValueError(f"KVTIER_REDIS_OPTIONS: expected a JSON object, got {raw!r}") from None
-    if name in _INT_KEYS:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"KVTIER_{name.upper()}: expected an integer, got {raw!r}") from None
-    if name in _FLOAT_KEYS:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"KVTIER_{name.upper()}: expected a number, got {raw!r}") from None
+    for keys, parse, expected in _ENV_PARSERS:
+        if name in keys:
+            try:
+                return parse(raw)
+            except ValueError:  # json.JSONDecodeError is one
+                raise ValueError(f"KVTIER_{name.upper()}: expected {expected}, got {raw!r}") from None
     if name in _BOOL_KEYS:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True

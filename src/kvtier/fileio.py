@@ -11,6 +11,7 @@ the old file or the whole new one, never a part.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import secrets
 import stat
@@ -109,3 +110,18 @@ def read_small(path: str | os.PathLike[str], max_bytes: int, offset: int = 0) ->
         return b"".join(chunks), st
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory, so that a create or rename in it is on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def set_direct(fd: int, on: bool) -> None:
+    """Turn ``O_DIRECT`` on or off for an open descriptor."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)

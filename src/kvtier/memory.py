@@ -18,7 +18,6 @@ checksums run behind the engine's threads instead of preempting one of its OpenM
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -26,11 +25,13 @@ import threading
 
 import numpy as np
 
+from kvtier.libc import libc
+from kvtier.threads import thread
+
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14
 PREFAULT_STEP = 2 << 20  # one huge page per call: the call holds no lock of ours and releases the GIL
-_libc: ctypes.CDLL | None = None
 
 
 def slab(nbytes: int) -> np.ndarray:
@@ -72,21 +73,7 @@ def prefault(array: np.ndarray, name: str = "kvtier-prefault") -> threading.Thre
                           ctypes.get_errno())
                 return
 
-    from kvtier.threads import thread  # (kvtier.threads loads libc from here)
-
     worker = thread(run, name)
     worker.start()
     return worker
 
-
-def libc() -> ctypes.CDLL | None:
-    """The C library (loaded once; None where ctypes cannot find it)."""
-    global _libc
-    if _libc is None:
-        path = ctypes.util.find_library("c")
-        if path is None:
-            return None
-        _libc = ctypes.CDLL(path, use_errno=True)  # foreign calls release the GIL
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _libc.madvise.restype = ctypes.c_int
-    return _libc

@@ -33,20 +33,19 @@ All methods are thread-safe. ``close`` flushes pending writes; use the store as 
 manager or call ``close`` before exit.
 
 Over 400 lines on purpose: one class, the public API, whose reads and writes share host DRAM,
-the tiers, the guard, the buffers and the writer; those, ``locate`` and ``retention`` are
-modules of their own.
+the tiers, the guard and the buffers. The work is done in modules of their own: ``reader``
+(``PrefixReader``, the read pipeline), ``writer`` (write-downs), ``retention``, ``tiers.locate``;
+``results`` holds what the methods return (all re-exported here).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -60,151 +59,24 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
+from kvtier.reader import STOP_POLL_S, PrefixReader, Sink
+from kvtier.results import LoadedChunk, LookupResult, PendingPut, PrefixLoad, PutResult
 from kvtier.retention import Retention
-from kvtier.threads import Failures, ThreadInit, executor
-from kvtier.tiers.base import Chunk, Level, Status, Tier, aligned_buffer
+from kvtier.threads import Failures, ThreadInit
+from kvtier.tiers.base import Chunk, Level, Tier
 from kvtier.tiers.guard import TierGuard
-from kvtier.tiers.host import HostCache, Lease
-from kvtier.tiers.locate import locate
+from kvtier.tiers.host import BufferPool, HostCache, Lease
+from kvtier.tiers.locate import locate, locate_named
 from kvtier.tiers.opening import open_tiers
 from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
-
-_GONE = "\0gone"  # a tier read's result: the chunk was not there (missing, corrupt, unreadable)
-STOP_POLL_S = 0.02  # how often a stoppable load_into checks its stop event while a read runs
+__all__ = ["MAX_DESCRIBED", "MAX_SPECS", "STOP_POLL_S", "BufferPool", "LoadedChunk", "LookupResult", "PendingPut",
+           "PrefixLoad", "PutResult", "TieredStore"]
+ChunkData = torch.Tensor | Callable[[torch.Tensor], None]
+"""A chunk to store: the tensor, or a function that fills the store's buffer with it."""
 MAX_SPECS = 4096  # chunk specs kept, one per namespace (each cache_salt is one)
 MAX_DESCRIBED = 256  # namespaces a process describes in the disk and pool directories
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """Longest cached prefix: ``num_tokens`` is a multiple of ``chunk_tokens``."""
-
-    num_tokens: int
-    chunk_tiers: tuple[str, ...]
-    chunk_tokens: int
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.chunk_tiers)
-
-    def tokens_by_tier(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for name in self.chunk_tiers:
-            out[name] = out.get(name, 0) + self.chunk_tokens
-        return out
-
-
-@dataclass(frozen=True)
-class PutResult:
-    stored_chunks: int
-    """New chunks taken into the store (host DRAM and/or queued for disk and pool)."""
-    present_chunks: int
-    """Chunks host DRAM already held (not copied again)."""
-    dropped_writes: int
-    """Chunks whose write-down was dropped because the background queue was full."""
-
-
-@dataclass(frozen=True)
-class PendingPut:
-    """A chunk being stored (``TieredStore.begin_put``): fill ``buffer``, then ``commit`` or ``abandon``."""
-
-    buffer: torch.Tensor
-    commit: Callable[[], PutResult]
-    abandon: Callable[[], None]
-
-
-@dataclass(frozen=True)
-class PrefixLoad:
-    """What ``load_into`` delivered: the first ``num_chunks`` chunks, and from which tiers.
-
-    ``read_s`` and ``copy_s``: seconds spent, summed over the delivered chunks, reading and
-    validating them (a tier's ``load``, checksums included) and in the caller's sink (the copy
-    into its buffers); they overlap across the I/O threads, so they can exceed the wall time.
-    """
-
-    num_chunks: int
-    chunk_tiers: tuple[str, ...]
-    read_s: float = 0.0
-    copy_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class LoadedChunk:
-    index: int
-    tier: str
-    data: torch.Tensor
-    """``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``; read-only, valid until the
-    iterator that yielded it advances."""
-
-
-@dataclass(frozen=True)
-class _Loaded:
-    tier: str
-    lease: Lease
-
-
-class _SinkGate:
-    """Lets I/O threads hand chunks to a ``load_into`` sink only until that call returns.
-
-    A read can outlive its load: one slower than ``read_timeout_s``, or one still running
-    past the first miss. Once ``load_into`` has returned, the caller's buffers may belong to
-    someone else (an engine hands a failed request's KV blocks to other requests), so a late
-    read must never write there. ``close`` shuts the gate and waits for sinks already running
-    (each is one copy).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = True
-        self._active = 0
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    def enter(self) -> bool:
-        with self._cond:
-            if self._open:
-                self._active += 1
-            return self._open
-
-    def leave(self) -> None:
-        with self._cond:
-            self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._open = False
-            self._cond.wait_for(lambda: not self._active)
-
-
-class BufferPool:
-    """Recycled aligned read buffers for reads that do not land in host DRAM."""
-
-    def __init__(self, nbytes: int, max_free: int) -> None:
-        self.nbytes = nbytes
-        self.max_free = max_free
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self.register: Callable[[np.ndarray], bool] | None = None  # page-locks new buffers (pin_host_memory)
-
-    def take(self) -> np.ndarray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        buf = aligned_buffer(self.nbytes)
-        if self.register is not None:
-            self.register(buf)
-        return buf
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if len(self._free) < self.max_free:
-                self._free.append(buf)
 
 
 class TieredStore:
@@ -235,21 +107,16 @@ class TieredStore:
         self._specs: OrderedDict[bytes, ChunkSpec] = OrderedDict()  # by namespace digest, LRU
         self._described: set[bytes] = set()
         self._spec_lock = threading.Lock()
-        self._spec(self.namespace)  # describes the namespace in the disk and pool directories
-        self._buffers = BufferPool(self._spec(self.namespace).file_bytes, 2 * config.io_threads)
+        spec = self._spec(self.namespace)  # describes the namespace in the disk and pool directories
+        self._buffers = BufferPool(spec.file_bytes, 2 * config.io_threads)
         self._retention = Retention(self.store_metrics, self._failures, thread_init)
         self._writer = BackgroundWriter(config.write_queue_chunks or 1, config.write_threads,
                                         after_store=self._retention.landed, failures=self._failures,
                                         init=thread_init, nice=config.write_nice)
-        # io_threads per tier: reads stuck in a hung tier (a read cannot be cancelled) hold only
-        # that tier's threads, never the ones the other tiers' reads need.
-        # io_threads per tier, started on first use: reads stuck in a hung tier (a read cannot be
-        # cancelled) hold only that tier's threads, never the ones other tiers' reads need.
-        self._io: dict[str, cf.ThreadPoolExecutor] = {}
-        self._io_lock = threading.Lock()
-        self._thread_init = thread_init
         self._guard = TierGuard(config.read_timeout_s, config.tier_cooldown_s, init=thread_init,
                                 failures=self._failures)
+        self._reader = PrefixReader(host, self._guard, self._buffers, self._failures, io_threads=config.io_threads,
+                                    read_timeout_s=config.read_timeout_s, thread_init=thread_init)
         self._closed = False
         self.registry: CollectorRegistry = new_registry(
             {"store": self.store_metrics, **{t.name: t.metrics for t in self.levels}})
@@ -342,22 +209,6 @@ class TieredStore:
         """
         return locate(self.levels, self._guard, ids, count_metrics, self.chunk_tokens)
 
-    def _found(self, ids: Sequence[ChunkId], names: Sequence[str]) -> list[Level]:
-        """The levels to read ``ids`` from, as a lookup named them (``load_into``'s ``tiers``): host
-        DRAM when it holds the chunk now (an in-memory check), else the named tier or, when that
-        one is cooling down or gone, the first usable one below it. Ends where none is left."""
-        located: list[Level] = []
-        for cid, name in zip(ids, names, strict=False):  # names may cover a prefix only
-            if self.host is not None and (name == self.host.name or self.host.lookup([cid])):
-                located.append(self.host)
-                continue
-            below = next((i for i, t in enumerate(self.tiers) if t.name == name), 0)
-            tier = next((t for t in self.tiers[below:] if self._guard.usable(t)), None)
-            if tier is None:
-                break
-            located.append(tier)
-        return located
-
     # -- read -------------------------------------------------------------------------------
 
     def get(self, tokens: TokenIds, *, extra: bytes = b"", tenant_salt: str | None = None,
@@ -397,7 +248,7 @@ class TieredStore:
                            "again and recompute the rest")
         return out
 
-    def load_into(self, ids: Sequence[ChunkId], sink: Callable[[int, torch.Tensor], None], *,
+    def load_into(self, ids: Sequence[ChunkId], sink: Sink, *,
                   tenant_salt: str | None = None, promote: bool = True,
                   stop: threading.Event | None = None, tiers: Sequence[str] | None = None) -> PrefixLoad:
         """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading in parallel.
@@ -423,129 +274,8 @@ class TieredStore:
             located = self._locate(ids)
             self.store_metrics.add(load_lookups=len(ids))
         else:
-            located = self._found(ids, tiers)
-        gate = _SinkGate()
-        read_s, copy_s = [0.0] * len(located), [0.0] * len(located)  # each index written by one thread
-
-        def timed(index: int, data: torch.Tensor) -> None:
-            t0 = time.perf_counter()
-            sink(index, data)
-            copy_s[index] += time.perf_counter() - t0
-
-        # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
-        # I/O threads, all submitted at once so that they overlap.
-        futures: list[cf.Future[str | None] | None] = [
-            None if tier is self.host else self._submit(tier, i, ids[i], spec, timed, promote, gate, read_s)
-            for i, tier in enumerate(located)]
-        tiers: list[str] = []
-        try:
-            for i, tier in enumerate(located):
-                try:
-                    name = self._next(i, ids[i], tier, futures, spec, timed, promote, gate, stop, read_s)
-                except Exception:  # a tier's or the sink's bug: the prefix ends here, the caller goes on
-                    self._failures.record("a chunk's delivery")
-                    break
-                if name is None or (stop is not None and stop.is_set()):
-                    break
-                tiers.append(name)
-        finally:
-            for fut in futures[len(tiers):]:
-                if fut is not None:
-                    fut.cancel()
-            gate.close()
-        n = len(tiers)
-        return PrefixLoad(n, tuple(tiers), sum(read_s[:n]), sum(copy_s[:n]))
-
-    def _submit(self, tier: Level, index: int, cid: ChunkId, spec: ChunkSpec, sink: Callable[[int, torch.Tensor], None],
-                promote: bool, gate: _SinkGate, read_s: list[float]) -> cf.Future[str | None]:
-        pool = self._io.get(tier.name)
-        if pool is None:
-            with self._io_lock:
-                pool = self._io.get(tier.name)
-                if pool is None:
-                    pool = self._io[tier.name] = executor(self.config.io_threads, f"kvtier-io-{tier.name}",
-                                                          self._thread_init)
-        return pool.submit(self._deliver, index, cid, tier, spec, sink, promote, gate, read_s)
-
-    def _next(self, i: int, cid: ChunkId, located: Level, futures: list[cf.Future[str | None] | None],
-              spec: ChunkSpec, sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate,
-              stop: threading.Event | None, read_s: list[float]) -> str | None:
-        """Chunk ``i`` of a ``load_into``, handed to ``sink``: the name of the tier it came from, or
-        None (not delivered: the prefix ends here).
-
-        Where the lookup found it first; if it is gone from there (evicted, corrupt, an I/O
-        error), from each usable tier below in turn. Every tier read, fallbacks included, runs on
-        that tier's I/O threads under ``read_timeout_s``, and a timeout trips the tier that did
-        not answer.
-        """
-        if located is self.host:
-            assert self.host is not None
-            lease = self.host.acquire(cid)
-            if lease is not None:
-                try:
-                    sink(i, lease.chunk.data)
-                finally:
-                    lease.release()
-                return self.host.name
-            below = 0  # evicted since the lookup
-        else:
-            below = self.tiers.index(located)  # type: ignore[arg-type]
-        tier: Level = located
-        fut = futures[i]
-        while True:
-            if fut is None:
-                usable = [t for t in self.tiers[below:] if self._guard.usable(t)]
-                if not usable:
-                    return None
-                tier = usable[0]
-                below = self.tiers.index(tier)
-                fut = futures[i] = self._submit(tier, i, cid, spec, sink, promote, gate, read_s)
-            try:
-                name = self._await(fut, stop)
-            except cf.TimeoutError:
-                self._guard.trip(tier, f"read of chunk {i}")
-                return None
-            if name is not _GONE:
-                return name
-            below += 1
-            fut = None
-
-    def _await(self, fut: cf.Future[str | None], stop: threading.Event | None) -> str | None:
-        """``fut``'s result within ``read_timeout_s`` (else TimeoutError); None once ``stop`` is set."""
-        if stop is None:
-            return fut.result(timeout=self.config.read_timeout_s)
-        deadline = time.monotonic() + self.config.read_timeout_s
-        while not stop.is_set():
-            try:
-                return fut.result(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
-            except cf.TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise
-        return None
-
-    def _deliver(self, index: int, cid: ChunkId, tier: Tier, spec: ChunkSpec,
-                 sink: Callable[[int, torch.Tensor], None], promote: bool, gate: _SinkGate,
-                 read_s: list[float]) -> str | None:
-        """On ``tier``'s I/O thread: read ``cid`` there and hand it to ``sink``. Returns the tier's
-        name, ``_GONE`` when the tier did not deliver it, or None once the load has returned.
-        Adds the read's seconds to ``read_s[index]``."""
-        if not gate.is_open:
-            return None  # the load returned (or gave up on this chunk) before the read started
-        t0 = time.perf_counter()
-        got = self._read(cid, tier, spec, promote)
-        read_s[index] += time.perf_counter() - t0
-        if got is None:
-            return _GONE
-        try:
-            if not gate.enter():
-                return None  # the load returned without this chunk: its buffers are not ours
-            try:
-                sink(index, got.lease.chunk.data)
-            finally:
-                gate.leave()
-        finally:
-            got.lease.release()
-        return got.tier
+            located = locate_named(self.host, self.tiers, self._guard, ids, tiers)
+        return self._reader.load(ids, located, self.tiers, spec, sink, promote=promote, stop=stop)
 
     def iter_chunks(self, ids: Sequence[ChunkId], *, tenant_salt: str | None = None) -> Iterator[LoadedChunk]:
         """The cached prefix of ``ids`` as ``LoadedChunk``s, in order (a copy of each chunk).
@@ -562,33 +292,6 @@ class TieredStore:
         loaded = self.load_into(ids, keep, tenant_salt=tenant_salt)
         for i, tier in enumerate(loaded.chunk_tiers):
             yield LoadedChunk(i, tier, copies[i])
-
-    def _read(self, cid: ChunkId, tier: Tier, spec: ChunkSpec, promote: bool) -> _Loaded | None:
-        """One tier's read, straight into a host DRAM slot (promotion without a copy); with no
-        host DRAM, no free slot or ``promote=False``, into a recycled buffer."""
-        host = self.host if promote else None
-        slot = host.reserve() if host is not None else None
-        into = host.slot_buffer(slot) if host is not None and slot is not None else self._buffers.take()
-
-        def give_back() -> None:
-            if host is not None and slot is not None:
-                host.abandon(slot)
-            else:
-                self._buffers.give(into)
-
-        try:
-            result = tier.load(cid, spec, into)
-        except BaseException:
-            give_back()
-            raise
-        if result.ok and result.chunk is not None:
-            if host is not None and slot is not None:
-                return _Loaded(tier.name, host.commit(slot, cid))
-            return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)))
-        give_back()
-        if result.status is not Status.MISS:
-            log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name, result.status.value, result.error)
-        return None
 
     # -- write ------------------------------------------------------------------------------
 
@@ -613,7 +316,7 @@ class TieredStore:
                               total.dropped_writes + one.dropped_writes)
         return total
 
-    def put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None], *,
+    def put_chunk(self, cid: ChunkId, data: ChunkData, *,
                   tenant_salt: str | None = None, skip_tiers: Collection[str] = ()) -> PutResult:
         """Store one chunk whose identity the caller computed (``chunk_ids``).
 
@@ -626,7 +329,7 @@ class TieredStore:
         self._check_open()
         return self._put_chunk(cid, data, self._spec(self._namespace(tenant_salt)), skip_tiers)
 
-    def put_chunk_now(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None], *,
+    def put_chunk_now(self, cid: ChunkId, data: ChunkData, *,
                       tenant_salt: str | None = None) -> bool:
         """Write one chunk to every tier below host DRAM on the calling thread, bypassing host
         DRAM and the write queue: True once every tier holds it (stored now or already there).
@@ -640,12 +343,8 @@ class TieredStore:
         spec = self._spec(self._namespace(tenant_salt))
         raw = self._buffers.take()
         try:
-            buffer = torch.from_numpy(raw[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes]).view(
-                self.layout.dtype).view(self.layout.shape(self.chunk_tokens))
-            if callable(data):
-                data(buffer)
-            else:
-                buffer.copy_(data)
+            buffer = self._payload(raw, spec)
+            _fill(buffer, data)
             return bool(self.tiers) and self._writer.write_now(Chunk(cid, buffer), spec, self.tiers)
         finally:
             self._buffers.give(raw)
@@ -682,28 +381,29 @@ class TieredStore:
         # asynchronous too), back in the pool once written down or abandoned.
         raw = self._buffers.take()
         release = partial(self._buffers.give, raw)
-        buffer = torch.from_numpy(raw[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes]).view(
-            self.layout.dtype).view(self.layout.shape(self.chunk_tokens))
+        buffer = self._payload(raw, spec)
 
         def commit_own() -> PutResult:
             return PutResult(1, 0, 0 if self._write_down(Lease(Chunk(cid, buffer), release), spec, lower) else 1)
 
         return PendingPut(buffer, commit_own, release)
 
-    def _put_chunk(self, cid: ChunkId, data: torch.Tensor | Callable[[torch.Tensor], None],
+    def _put_chunk(self, cid: ChunkId, data: ChunkData,
                    spec: ChunkSpec, skip_tiers: Collection[str] = ()) -> PutResult:
         pending = self._begin_put(cid, spec, skip_tiers)
         if pending is None:
             return PutResult(0, 1, 0)
         try:
-            if callable(data):
-                data(pending.buffer)
-            else:
-                pending.buffer.copy_(data)
+            _fill(pending.buffer, data)
         except BaseException:
             pending.abandon()
             raise
         return pending.commit()
+
+    def _payload(self, raw: np.ndarray, spec: ChunkSpec) -> torch.Tensor:
+        """The chunk tensor inside a ``BufferPool`` buffer (a chunk file's payload, after its header)."""
+        return torch.from_numpy(raw[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes]).view(
+            self.layout.dtype).view(self.layout.shape(self.chunk_tokens))
 
     def _write_down(self, lease: Lease, spec: ChunkSpec, tiers: Sequence[Tier]) -> bool:
         """Queue a pinned chunk for ``tiers``; the pin is released once written or dropped."""
@@ -753,12 +453,7 @@ class TieredStore:
         self._closed = True
         self._writer.flush()
         self._writer.close()
-        # Reads still running are abandoned, not awaited: their callers gave up on them after
-        # read_timeout_s, and a hung filesystem must not hang shutdown (and the metrics after it).
-        with self._io_lock:
-            pools = list(self._io.values())
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._reader.close()  # abandons reads still running: a hung filesystem must not hang exit
         self._retention.close()  # best effort, like a read: never hang exit
         self._guard.close()
         if self.host is not None:
@@ -788,3 +483,10 @@ class TieredStore:
             "tiers": {t.name: asdict(t.metrics.snapshot()) for t in self.levels},
             "write_queue": self._writer.queued,
         }
+
+
+def _fill(buffer: torch.Tensor, data: ChunkData) -> None:
+    if callable(data):
+        data(buffer)
+    else:
+        buffer.copy_(data)

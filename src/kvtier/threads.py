@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.memory import libc
+from kvtier.libc import libc
 from kvtier.metrics import TierMetrics
 
 log = logging.getLogger(__name__)

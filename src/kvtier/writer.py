@@ -64,8 +64,9 @@ class BackgroundWriter:
         """Write ``chunk`` to ``tiers`` on the calling thread (no queue, nothing dropped): True
         when every tier stored it or already had it. For callers whose own thread is the
         background (SGLang's backup thread), which want back-pressure and a true answer."""
-        # A list, not a generator: every tier is written even after one refuses (all() stops early).
-        return all([self._write(_Write(chunk, spec, tiers, None), tier) for tier in tiers])  # noqa: C419
+        # A list, not a generator: every tier is written, even after one fails.
+        stored = [self._write(_Write(chunk, spec, tiers, None), tier) for tier in tiers]
+        return all(stored)
 
     @property
     def queued(self) -> int:

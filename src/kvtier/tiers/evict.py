@@ -7,9 +7,9 @@ that finds it held skips the round) and no other lock while it works:
 1. it lists the shard directories (``ChunkFiles.shard_dirs``: at most 257 listings, a small
    constant beside a sweep's) and shuffles them;
 2. **sample**: it lists and ``lstat``s directories in that order until it has seen
-   ``SAMPLE_FILES`` chunk files, and picks a global mtime cutoff: the mtime below which the
-   share of the pool's bytes it must free lies in the sample (oldest first, plus twice the
-   share's sampling error, so that one pass rarely falls short);
+   ``SAMPLE_FILES`` chunk files, and picks a global mtime cutoff (``tiers/evictplan.py``): the
+   mtime below which the share of the pool's bytes it must free lies in the sample (oldest
+   first, plus twice the share's sampling error, so that one pass rarely falls short);
 3. **sweep**: it visits the directories in the same order (the sampled ones from memory) and
    unlinks every chunk older than the cutoff, until it freed what it must.
 
@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,18 +60,20 @@ from kvtier.metrics import TierMetrics
 from kvtier.threads import executor, thread
 from kvtier.tiers.base import ChangeJournal
 from kvtier.tiers.evictlog import EvictionLog
+from kvtier.tiers.evictplan import SLACK, Plan, plan
 from kvtier.tiers.files import ChunkFile, ChunkFiles
 from kvtier.tiers.ledger import Ledger, Usage, anchor, fold_dead, read_usage, remove_orphans
+from kvtier.tiers.listing import SCAN_THREADS, listed
 from kvtier.tiers.poollock import Lease, PoolLocks
 
 log = logging.getLogger(__name__)
+__all__ = ["HEARTBEAT_S", "LOG_BATCH", "LOW_WATERMARK", "SCAN_THREADS", "SLACK", "Evictor", "Plan", "RoundStats",
+           "listed", "plan"]
 
 LOW_WATERMARK = 0.9  # a round frees down to this share of the budget
 SAMPLE_FILES = 2048  # chunk files a round's sample sees (about 2% error on the cutoff's share)
-SLACK = 0.05  # the sampled cutoff aims at least this much further (see plan_cutoff)
 RESERVOIR = 4096  # kept chunks remembered by a pass, to place the next pass's cutoff
 MAX_PASSES = 4
-SCAN_THREADS = 8  # shard directories listed at once: on a network filesystem each listing and lstat is a round trip
 PARALLEL_ABOVE_S = 5e-4  # a round lists on the scan threads when a directory takes longer than this
 PROBE_DIRS = 16  # listed one by one at a round's start, to tell a local disk from a network filesystem
 TICK_S = 10.0  # the evictor looks at the total this often (and whenever a writer sees it over)
@@ -105,78 +107,8 @@ class Owner(Protocol):
         ...
 
 
-def listed(files: ChunkFiles, order: Sequence[str], pool: cf.ThreadPoolExecutor | None,
-           ahead: int = 2 * SCAN_THREADS) -> Generator[tuple[str, list[ChunkFile]], None, None]:
-    """``(shard, its chunk files)`` for each of ``order``, in that order, listed on ``pool`` up
-    to ``ahead`` directories ahead (inline without a pool). Closing it early cancels what is
-    queued."""
-    if pool is None:
-        for shard in order:
-            yield shard, files.scan_shard(shard)
-        return
-    window: deque[tuple[str, cf.Future[list[ChunkFile]]]] = deque()
-    todo = iter(order)
-    try:
-        while True:
-            while len(window) < ahead:
-                nxt = next(todo, None)
-                if nxt is None:
-                    break
-                window.append((nxt, pool.submit(files.scan_shard, nxt)))
-            if not window:
-                return
-            shard, listing = window.popleft()
-            yield shard, listing.result()
-    finally:
-        for _, listing in window:
-            listing.cancel()
-
-
 Doom = Callable[[ChunkFile], bool]  # which chunks of a directory a sweep unlinks
 Visit = tuple[list[ChunkFile], dict[int, bool | None]]  # a directory's chunk files, unlink outcomes by index
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a sweep unlinks: chunks older than ``cutoff``, or exactly ``victims`` (paths)."""
-
-    cutoff: float
-    victims: frozenset[str] | None = None
-    all_unretained: bool = False  # it takes every unretained chunk there is (or was sampled)
-
-
-def plan(sample: Sequence[ChunkFile], need: int, total: int, now: float, *, exact: bool,
-         retained: bool) -> Plan:
-    """The plan for ``need`` bytes: ``exact`` (the sample is the whole pool): the oldest
-    chunks worth ``need``; else a cutoff covering ``need``'s share of ``total`` in the sample
-    plus a margin. Nothing newer than ``now`` (retained) unless ``retained``."""
-    items = sorted(sample, key=lambda f: f.mtime)
-    if exact:
-        victims: list[ChunkFile] = []
-        acc = 0
-        for f in items:
-            if acc >= need or (f.mtime > now and not retained):
-                break
-            victims.append(f)
-            acc += f.size
-        left = items[len(victims):]
-        cutoff = math.nextafter(victims[-1].mtime, math.inf) if victims else -math.inf
-        return Plan(cutoff, frozenset(os.fspath(f.path) for f in victims), not left or left[0].mtime > now)
-    if need <= 0:
-        return Plan(-math.inf)
-    # Aim past the share by twice its sampling error (or SLACK): a cutoff that falls short
-    # costs a second full pass, one that overshoots only stops the sweep a little sooner.
-    share = min(1.0, need / max(total, 1))
-    error = 2 * math.sqrt((1 - share) / max(share * len(items), 1e-9))
-    goal = share * sum(f.size for f in items) * (1 + min(max(SLACK, error), 1.0))
-    acc = 0
-    for f in items:
-        if f.mtime > now and not retained:
-            return Plan(now, None, True)
-        acc += f.size
-        if acc >= goal:
-            return Plan(math.nextafter(f.mtime, math.inf), None, f.mtime >= now)
-    return Plan(math.inf if retained else now, None, True)
 
 
 @dataclass

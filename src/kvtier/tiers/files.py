@@ -8,52 +8,49 @@ Shared by the local disk tier and the shared pool. Layout::
 
 Publishing writes a uniquely named temp file in the final directory, then ``os.replace``s it
 (``fileio.write_atomic``): readers see a whole chunk or nothing, and two writers of one chunk
-write the same bytes (names are content addresses), so the last rename wins harmlessly. A temp file left by a
-killed writer is never read (wrong suffix) and is removed by ``kvtier pool gc``.
+write the same bytes (names are content addresses), so the last rename wins harmlessly. A temp
+file left by a killed writer is never read (wrong suffix) and is removed by ``kvtier pool gc``.
 
 Over 400 lines on purpose: every byte a chunk directory writes or reads goes through here
-(publish, validated reads, scan, retention's mtime), so its safety rules live in one place.
+(publish, validated reads, retention's mtime), so its safety rules live in one place. Listing
+the directory is ``tiers/listing.py`` and lookups' presence checks ``tiers/presence.py``; both
+are reached through ``ChunkFiles``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
-import fcntl
 import json
 import logging
 import os
-import re
 import secrets
 import stat
-import threading
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvtier.fileio import TMP_SUFFIX, read_small, write_atomic
+from kvtier.fileio import TMP_SUFFIX, fsync_dir, read_small, set_direct, write_atomic
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
-from kvtier.keys import DIGEST_BYTES, ChunkId, ChunkKey
+from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
-from kvtier.threads import ThreadInit, executor
+from kvtier.threads import ThreadInit
+from kvtier.tiers import listing
 from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
+from kvtier.tiers.listing import SUFFIX, ChunkFile
 from kvtier.tiers.pagecache import cached_bytes
+from kvtier.tiers.presence import Presence
 
 log = logging.getLogger(__name__)
+__all__ = ["MARKER", "SUFFIX", "ChunkFile", "ChunkFiles"]
 
-SUFFIX = ".kvt"
 NAMESPACE_MAX_BYTES = 64 << 10  # a namespace description is a few hundred bytes
 MARKER = ".kvtier"
 _ZEROS = bytes(PAYLOAD_OFFSET)
-_NAME_CHARS = 2 * DIGEST_BYTES + len(SUFFIX)
-MAX_ABSENT = 1 << 16  # keys a pool remembers as absent (parallel_lookups)
 SHARD_RACE_TRIES = 4  # publish attempts while other clients create the same shard directory
 
 OWNER_FILE_MODE, OWNER_DIR_MODE = 0o600, 0o700
@@ -63,14 +60,6 @@ GROUP_FILE_MODE, GROUP_DIR_MODE = 0o660, 0o2770
 # Never follow a symlink planted under a chunk's name; never block opening a FIFO.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 _warned_open_roots: set[str] = set()
-
-
-@dataclass(frozen=True)
-class ChunkFile:
-    path: Path
-    key: ChunkKey
-    size: int
-    mtime: float
 
 
 class ChunkFiles:
@@ -90,9 +79,8 @@ class ChunkFiles:
         self.group_access = group_access
         self.file_mode = GROUP_FILE_MODE if group_access else OWNER_FILE_MODE
         self.dir_mode = GROUP_DIR_MODE if group_access else OWNER_DIR_MODE
-        self._stat_pool: cf.ThreadPoolExecutor | None = None
-        self._absent: Absent | None = None
-        self.lookup_stats = Counter()
+        self._presence = Presence()
+        self.lookup_stats = self._presence.stats
         """File-metadata calls made by lookups (``leading_present``)."""
         if create:
             self._ensure_root()
@@ -174,44 +162,12 @@ class ChunkFiles:
         chunks for ``negative_ttl_s`` (for a directory on a network filesystem, where each stat
         is a round trip: the shared pool). ``publish`` forgets a chunk's absence at once.
         ``init`` runs first in each of those threads (``threads.py``)."""
-        self._stat_pool = executor(threads, "kvtier-stat", init) if threads > 1 else None
-        if self._stat_pool is not None:  # its idle threads go with this object (no close in the Tier protocol)
-            weakref.finalize(self, self._stat_pool.shutdown, wait=False)
-        self._absent = Absent(negative_ttl_s) if negative_ttl_s > 0 else None
+        self._presence.parallel(threads, negative_ttl_s, init)
 
     def leading_present(self, ids: Sequence[ChunkId]) -> int:
-        """How many of ``ids``, from the first on, have a published file (at most one stat each).
-
-        With ``parallel_lookups``, stats run in windows that double from 8 to 256, so a prefix
-        of n chunks costs about n round trips / threads, and a miss early on wastes a few stats.
-        """
-        pool = self._stat_pool
-        if pool is None:
-            n = 0
-            for cid in ids:
-                if not self._present(cid.key):
-                    break
-                n += 1
-            return n
-        n, window = 0, 8
-        while n < len(ids):
-            for found in pool.map(self._present, [cid.key for cid in ids[n:n + window]]):
-                if not found:
-                    return n
-                n += 1
-            window = min(2 * window, 256)
-        return n
-
-    def _present(self, key: ChunkKey) -> bool:
-        absent = self._absent
-        if absent is not None and absent.holds(key):
-            return False
-        self.lookup_stats.add(1)
-        if self.stat_size(key) is not None:
-            return True
-        if absent is not None:
-            absent.add(key)
-        return False
+        """How many of ``ids``, from the first on, have a published file (at most one stat each;
+        ``presence.Presence.leading``)."""
+        return self._presence.leading(ids, self.stat_size)
 
     # -- write ------------------------------------------------------------------------------
 
@@ -242,9 +198,8 @@ class ChunkFiles:
                     time.sleep(0.01 * 4 ** attempt)  # 40, 160 ms: the client's cached "no such directory" expires
                 self._make_shard(final.parent)
         if self.fsync:
-            _fsync_dir(final.parent)
-        if self._absent is not None:
-            self._absent.discard(chunk.id.key)
+            fsync_dir(final.parent)
+        self._presence.forget(chunk.id.key)
         return spec.file_bytes
 
     def _make_shard(self, shard: Path) -> None:
@@ -297,11 +252,11 @@ class ChunkFiles:
             view = buf.data
             direct = self.direct_io and (cached_bytes(fd) or 0) < size
             if not direct and self.direct_io:
-                _set_direct(fd, False)
+                set_direct(fd, False)
             done = _read_all(fd, view, 0, stop_on_einval=direct)
             if done < size:
                 # O_DIRECT accepted at open but refused at read (some FUSE and NFS setups).
-                _set_direct(fd, False)
+                set_direct(fd, False)
                 _read_all(fd, view, done)
         finally:
             os.close(fd)
@@ -452,119 +407,16 @@ class ChunkFiles:
             yield from self.scan_shard(shard)
 
     def shard_dirs(self, pool: cf.Executor | None = None) -> list[str]:
-        """The shard directories ``"ab/cd"`` that exist now, in name order: one listing of ROOT
-        and one of each ``ab`` (on ``pool``'s threads when given: round trips on a network
-        filesystem), however many chunks they hold (at most 257 listings). Only lowercase hex
-        names that are real directories (not symlinks) count."""
-        tops = _subdir_names(self._root_str)
-        paths = [f"{self._root_str}/{ab}" for ab in tops]
-        subs = pool.map(_subdir_names, paths) if pool is not None else map(_subdir_names, paths)
-        return [f"{ab}/{cd}" for ab, cds in zip(tops, subs, strict=True) for cd in cds]
+        """This directory's shard directories ``"ab/cd"`` (``listing.shard_dirs``)."""
+        return listing.shard_dirs(self._root_str, pool)
 
     def scan_shard(self, shard: str) -> list[ChunkFile]:
-        """The published chunk files of one shard directory ``"ab/cd"`` (see ``scan``): one
-        listing and one ``lstat`` per chunk name; [] when the directory is gone or unreadable."""
-        ab, _, cd = shard.partition("/")
-        folder = f"{self._root_str}/{shard}"
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            return []
-        out: list[ChunkFile] = []
-        for entry in entries:
-            name = entry.name
-            if len(name) != _NAME_CHARS or not name.endswith(SUFFIX) or name[:2] != ab or name[2:4] != cd:
-                continue  # not a chunk name, or a real name in another chunk's shard
-            h = name[: -len(SUFFIX)]
-            try:
-                key = ChunkKey(bytes.fromhex(h))
-                if key.hex() != h:
-                    continue  # upper case, or spaces (fromhex skips them)
-                st = entry.stat(follow_symlinks=False)
-            except (ValueError, OSError):
-                continue  # a stray name, or removed since the listing
-            out.append(ChunkFile(Path(entry.path), key, st.st_size, st.st_mtime))
-        return out
+        """The published chunk files of one shard directory (``listing.scan_shard``)."""
+        return listing.scan_shard(self._root_str, shard)
 
     def temp_files(self) -> Iterator[tuple[Path, float]]:
         """Temp files (writes in progress or left by crashed writers) and their mtimes."""
-        for entry in self._entries():
-            if entry.name.endswith(TMP_SUFFIX):
-                try:
-                    yield Path(entry.path), entry.stat().st_mtime
-                except OSError:
-                    continue
-
-    def _entries(self) -> Iterator[os.DirEntry[str]]:
-        """Entries of every shard directory ``ROOT/ab/cd``; vanished directories are skipped."""
-        for shard in self.shard_dirs():
-            try:
-                entries = list(os.scandir(f"{self._root_str}/{shard}"))
-            except OSError:
-                continue
-            yield from entries
-
-
-class Counter:
-    """A thread-safe count."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.value += n
-
-
-class Absent:
-    """Keys recently found absent, each remembered for ``ttl_s``; at most ``MAX_ABSENT`` of
-    them (the oldest forgotten first), so a flood of distinct misses costs bounded memory."""
-
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self._until: OrderedDict[bytes, float] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def holds(self, key: bytes) -> bool:
-        with self._lock:
-            until = self._until.get(key)
-            if until is None:
-                return False
-            if time.monotonic() < until:
-                return True
-            del self._until[key]
-            return False
-
-    def add(self, key: bytes) -> None:
-        with self._lock:
-            self._until[key] = time.monotonic() + self.ttl_s
-            self._until.move_to_end(key)
-            while len(self._until) > MAX_ABSENT:
-                self._until.popitem(last=False)
-
-    def discard(self, key: bytes) -> None:
-        with self._lock:
-            self._until.pop(key, None)
-
-
-_HEX2 = re.compile(r"[0-9a-f]{2}")
-
-
-def _subdir_names(path: str) -> list[str]:
-    """Sorted names of the two-hex-digit subdirectories of ``path`` ([] when it is gone)."""
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return []
-    names = []
-    for entry in entries:
-        try:
-            if _HEX2.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                names.append(entry.name)
-        except OSError:
-            continue
-    return sorted(names)
+        return listing.temp_files(self._root_str, self.shard_dirs())
 
 
 def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:
@@ -584,16 +436,3 @@ def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = F
             raise ChunkError(ChunkFault.TRUNCATED, f"short read: {done} of {len(view)} B")
         done += n
     return done
-
-
-def _set_direct(fd: int, on: bool) -> None:
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -14,6 +14,9 @@ in by a background thread of the lowest priority (``memory.py``): on a virtual m
 touch costs many times a copy, and engines fill slots from their own thread. Like a tier, the
 cache has a ``name`` ("host"), ``metrics`` and ``lookup``, so the store's one walk
 (``tiers.locate``) finds chunks in it and in the tiers below.
+
+Beside it, ``BufferPool``: the store's recycled aligned buffers for chunks that do not land in a
+slot (reads with ``promote=False`` or no free slot, writes that bypass host DRAM).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from kvtier.format import PAYLOAD_OFFSET, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk
+from kvtier.tiers.base import ChangeJournal, Chunk, aligned_buffer
 
 
 class Lease:
@@ -236,3 +239,29 @@ class HostCache:
             self._index.clear()
             self._slots = [_Slot() for _ in range(self.num_slots)]
             self._free = list(range(self.num_slots - 1, -1, -1))
+
+
+class BufferPool:
+    """Recycled aligned chunk-file buffers (``nbytes`` each, at most ``max_free`` kept) for chunks
+    that do not land in a host DRAM slot. Thread-safe."""
+
+    def __init__(self, nbytes: int, max_free: int) -> None:
+        self.nbytes = nbytes
+        self.max_free = max_free
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.register: Callable[[np.ndarray], bool] | None = None  # page-locks new buffers (pin_host_memory)
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        buf = aligned_buffer(self.nbytes)
+        if self.register is not None:
+            self.register(buf)
+        return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.max_free:
+                self._free.append(buf)

@@ -1,5 +1,6 @@
 """Where each chunk of a cached prefix is: the one walk over host DRAM and the tiers, for stores
-and lookup views."""
+and lookup views (``locate``); and, for a load that follows a lookup, where to read each chunk the
+lookup named (``locate_named``)."""
 
 from __future__ import annotations
 
@@ -47,4 +48,23 @@ def locate(tiers: Sequence[L], guard: TierGuard, ids: Sequence[ChunkId],
             hits = sum(1 for t in located if t is tier)
             if hits:
                 tier.metrics.add(hit_chunks=hits, hit_tokens=hits * chunk_tokens)
+    return located
+
+
+def locate_named(host: Level | None, tiers: Sequence[Level], guard: TierGuard, ids: Sequence[ChunkId],
+                 names: Sequence[str]) -> list[Level]:
+    """The levels to read ``ids`` from, as a lookup named them (``TieredStore.load_into``'s
+    ``tiers``): ``host`` (host DRAM) when it holds the chunk now (an in-memory check), else the
+    named tier or, when that one is cooling down or gone, the first usable one below it in
+    ``tiers``. Ends where none is left."""
+    located: list[Level] = []
+    for cid, name in zip(ids, names, strict=False):  # names may cover a prefix only
+        if host is not None and (name == host.name or host.lookup([cid])):
+            located.append(host)
+            continue
+        below = next((i for i, t in enumerate(tiers) if t.name == name), 0)
+        tier = next((t for t in tiers[below:] if guard.usable(t)), None)
+        if tier is None:
+            break
+        located.append(tier)
     return located

@@ -10,8 +10,8 @@ from kvtier.errors import TierUnavailableError
 from kvtier.threads import ThreadInit
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.pool import PoolTier, parse_pool_url
-from kvtier.tiers.redis import is_redis_url
+from kvtier.tiers.pool import PoolTier
+from kvtier.urls import is_redis_url, parse_pool_url
 
 
 def open_pool_tier(config: StoreConfig, thread_init: ThreadInit | None = None) -> Tier | None:

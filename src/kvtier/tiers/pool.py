@@ -75,6 +75,7 @@ from kvtier.tiers.evictlog import EVICTION_READ_MAX_BYTES, EvictionLog
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.ledger import Ledger, Usage, read_usage
 from kvtier.tiers.poollock import PoolLocks
+from kvtier.urls import parse_pool_url
 
 TOUCH_INTERVAL_S = 60.0
 CAP_MARGIN = 16  # the cap is budget + max(budget // CAP_MARGIN, sync_bytes)
@@ -99,21 +100,6 @@ def overshoot_bound(capacity_bytes: int, sync_bytes: int, instances: int, crashe
     """The most the pool can hold (the module docstring's bound): ``cap + (instances - 1 +
     crashed) x sync_bytes``, ``crashed`` counting instances that died since the last anchor."""
     return cap_bytes(capacity_bytes, sync_bytes) + (instances - 1 + crashed) * sync_bytes
-
-
-def parse_pool_url(url: str) -> str:
-    """``fs:///abs/path`` or ``fs://rel/path`` or a bare path -> the directory path."""
-    if url.startswith("fs://"):
-        path = url[len("fs://"):]
-    elif "://" in url:
-        scheme = url.split("://", 1)[0]
-        raise ValueError(f"pool_url scheme {scheme!r} is not supported; use fs:///path/to/pool or "
-                         "redis://host:6379/0 (also rediss://, valkey://)")
-    else:
-        path = url
-    if not path:
-        raise ValueError("pool_url has no path; use fs:///path/to/pool")
-    return path
 
 
 class PoolTier(TierBase):

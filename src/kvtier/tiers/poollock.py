@@ -151,12 +151,7 @@ class PoolLocks:
             fd = self._open(path)
         except OSError:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd
-        except OSError:
-            os.close(fd)
-            return None
+        return _locked_or_closed(fd, fcntl.LOCK_SH)
 
     def owner_gone(self, path: Path) -> int | None:
         """A descriptor holding ``path`` exclusively when no live instance holds it (its owner
@@ -169,12 +164,7 @@ class PoolLocks:
             return -1
         except OSError:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except OSError:
-            os.close(fd)
-            return None
+        return _locked_or_closed(fd, fcntl.LOCK_EX)
 
     # -- failures -----------------------------------------------------------------------------
 
@@ -198,3 +188,14 @@ class PoolLocks:
             os.close(fd)
             raise
         return fd
+
+
+def _locked_or_closed(fd: int, op: int) -> int | None:
+    """``fd`` once ``flock(fd, op)`` is granted without waiting; else None, ``fd`` closed (held
+    elsewhere, or the filesystem cannot lock)."""
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None

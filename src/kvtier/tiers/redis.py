@@ -28,8 +28,8 @@ Takes the shared pool's role behind host DRAM and local disk. Contract:
 
 redis-py is imported only when a tier is opened: ``import kvtier`` never needs it.
 
-Over 400 lines on purpose: the tier with its URL parsing and options (cluster, TLS, auth) and
-its zero-copy read; they change together.
+Over 400 lines on purpose: the tier with its options (cluster, TLS, auth) and its zero-copy
+read; they change together. Its URL is parsed in ``kvtier.urls`` (config validates it too).
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ import builtins
 import logging
 import threading
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,61 +50,14 @@ from kvtier.keys import ChunkId
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
 from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, TierBase, aligned_buffer
+from kvtier.urls import REDIS_SCHEMES, RedisURL, is_redis_url, parse_redis_url
 
 log = logging.getLogger(__name__)
+__all__ = ["REDIS_SCHEMES", "RedisTier", "RedisURL", "client_kwargs", "is_redis_url", "parse_redis_url"]
 
-REDIS_SCHEMES = {"redis": False, "rediss": True, "valkey": False, "valkeys": True}
-"""URL scheme -> TLS on?"""
 DEFAULT_PREFIX = "kvtier:v1:"
 BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 5.0
-
-
-def is_redis_url(url: str) -> bool:
-    return "://" in url and url.split("://", 1)[0].lower() in REDIS_SCHEMES
-
-
-@dataclass(frozen=True)
-class RedisURL:
-    host: str
-    port: int
-    db: int
-    username: str | None
-    password: str | None
-    tls: bool
-    scheme: str
-
-    def redacted(self) -> str:
-        """The URL with its password replaced by ``***`` (for logs and reports)."""
-        user = self.username or ""
-        auth = f"{user}:***@" if self.password is not None else (f"{user}@" if user else "")
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{auth}{host}:{self.port}/{self.db}"
-
-
-def parse_redis_url(url: str) -> RedisURL:
-    """``redis[s]://[[user]:password@]host[:port][/db]`` (also ``valkey[s]://``); ValueError
-    naming ``pool_url`` when malformed. Options go in settings, not in a query string."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in REDIS_SCHEMES:
-        raise ValueError(f"pool_url: scheme {scheme!r} is not one of {', '.join(REDIS_SCHEMES)}")
-    where = url.split("@", 1)[-1] if "@" in url else url  # never echo a password
-    try:
-        port = parts.port or 6379
-    except ValueError:
-        raise ValueError(f"pool_url: bad port in {where!r}; use redis://host:6379/0") from None
-    if not parts.hostname:
-        raise ValueError(f"pool_url: no host in {where!r}; use redis://host:6379/0")
-    path = parts.path.strip("/")
-    if path and not path.isdigit():
-        raise ValueError(f"pool_url: database {path!r} is not a number; use redis://host:6379/0")
-    if parts.query or parts.fragment:
-        raise ValueError("pool_url: query options are not read; give TLS and connection options in "
-                         "the redis_options setting (e.g. {ssl_ca_certs: /path/ca.pem})")
-    username = urllib.parse.unquote(parts.username) if parts.username else None
-    password = urllib.parse.unquote(parts.password) if parts.password is not None else None
-    return RedisURL(parts.hostname, port, int(path or 0), username, password, REDIS_SCHEMES[scheme], scheme)
 
 
 def client_kwargs(url: RedisURL, *, timeout_s: float, username: str | None = None,

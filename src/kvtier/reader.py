@@ -1,0 +1,284 @@
+"""PrefixReader: the one read pipeline behind ``TieredStore.load_into`` (and ``get``,
+``iter_chunks``), owned by the store as its ``BackgroundWriter`` is for writes.
+
+Contracts (the store's module docstring has the caller's view):
+
+* Every chunk of a prefix that is not in host DRAM is submitted at once, each to the I/O
+  threads of the tier a lookup found it in (``io_threads`` per tier, started on first use),
+  so reads of different chunks overlap; the I/O thread that read a chunk also hands it to the
+  caller's sink. Chunks in host DRAM are lent in place on the caller's thread.
+* Chunks are taken in order; a chunk gone from its tier (missing, corrupt, unreadable) is read
+  from each usable tier below in turn, again on that tier's threads. A read slower than
+  ``read_timeout_s`` trips its tier in the store's ``TierGuard`` and ends the prefix; so do a
+  chunk no tier delivers, an exception (recorded in ``Failures``) and a set ``stop`` event.
+* The sink is never called after ``load`` returns (``_SinkGate``), not even by a read that
+  outlived ``read_timeout_s``; reads still running are abandoned, never awaited.
+* Tier reads land in a host DRAM slot (``promote``: promotion without a copy) or, with no free
+  slot, in one of the store's recycled buffers (``BufferPool``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import cast
+
+import torch
+
+from kvtier.format import ChunkSpec
+from kvtier.keys import ChunkId
+from kvtier.results import PrefixLoad
+from kvtier.threads import Failures, ThreadInit, executor
+from kvtier.tiers.base import Level, Status, Tier
+from kvtier.tiers.guard import TierGuard
+from kvtier.tiers.host import BufferPool, HostCache, Lease
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[int, torch.Tensor], None]
+"""``sink(index, data)``: the caller's copy of chunk ``index``; ``data`` is valid during the call."""
+
+_GONE = "\0gone"  # a tier read's result: the chunk was not there (missing, corrupt, unreadable)
+STOP_POLL_S = 0.02  # how often a stoppable load checks its stop event while a read runs
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    tier: str
+    lease: Lease
+
+
+class _SinkGate:
+    """Lets I/O threads hand chunks to a ``load_into`` sink only until that call returns.
+
+    A read can outlive its load: one slower than ``read_timeout_s``, or one still running
+    past the first miss. Once ``load_into`` has returned, the caller's buffers may belong to
+    someone else (an engine hands a failed request's KV blocks to other requests), so a late
+    read must never write there. ``close`` shuts the gate and waits for sinks already running
+    (each is one copy).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._active = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._open:
+                self._active += 1
+            return self._open
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+            self._cond.wait_for(lambda: not self._active)
+
+
+@dataclass(frozen=True)
+class _Load:
+    """One ``PrefixReader.load`` call, shared with the I/O threads that serve it.
+
+    ``read_s`` and ``copy_s`` have one entry per chunk, each written by one thread at a time.
+    """
+
+    ids: Sequence[ChunkId]
+    tiers: list[Tier]  # the store's tiers below host DRAM when the load began, fastest first
+    spec: ChunkSpec
+    sink: Sink
+    promote: bool
+    stop: threading.Event | None
+    read_s: list[float]
+    copy_s: list[float]
+    gate: _SinkGate
+
+    def hand(self, index: int, data: torch.Tensor) -> None:
+        """The caller's sink, timed into ``copy_s``."""
+        t0 = time.perf_counter()
+        self.sink(index, data)
+        self.copy_s[index] += time.perf_counter() - t0
+
+
+class PrefixReader:
+    """Reads a located prefix into a sink (see module docstring). Thread-safe."""
+
+    def __init__(self, host: HostCache | None, guard: TierGuard, buffers: BufferPool, failures: Failures, *,
+                 io_threads: int, read_timeout_s: float, thread_init: ThreadInit | None = None) -> None:
+        self.host = host
+        self._guard = guard
+        self._buffers = buffers
+        self._failures = failures
+        self._io_threads = io_threads
+        self._read_timeout_s = read_timeout_s
+        self._thread_init = thread_init
+        # io_threads per tier, started on first use: reads stuck in a hung tier (a read cannot be
+        # cancelled) hold only that tier's threads, never the ones other tiers' reads need.
+        self._io: dict[str, cf.ThreadPoolExecutor] = {}
+        self._io_lock = threading.Lock()
+
+    def load(self, ids: Sequence[ChunkId], located: Sequence[Level], tiers: Sequence[Tier], spec: ChunkSpec,
+             sink: Sink, *, promote: bool, stop: threading.Event | None) -> PrefixLoad:
+        """Hand chunks ``ids[i]`` to ``sink`` from ``located[i]`` (host DRAM or a tier: where a
+        lookup found them), falling back on the ``tiers`` below; what ``load_into`` returns."""
+        load = _Load(ids, list(tiers), spec, sink, promote, stop, [0.0] * len(located), [0.0] * len(located),
+                     _SinkGate())
+        # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
+        # I/O threads, all submitted at once so that they overlap.
+        futures: list[cf.Future[str | None] | None] = [
+            None if level is self.host else self._submit(load, i, cast(Tier, level))
+            for i, level in enumerate(located)]
+        names: list[str] = []
+        try:
+            for i, level in enumerate(located):
+                try:
+                    name = self._next(load, i, level, futures)
+                except Exception:  # a tier's or the sink's bug: the prefix ends here, the caller goes on
+                    self._failures.record("a chunk's delivery")
+                    break
+                if name is None or (stop is not None and stop.is_set()):
+                    break
+                names.append(name)
+        finally:
+            for fut in futures[len(names):]:
+                if fut is not None:
+                    fut.cancel()
+            load.gate.close()
+        n = len(names)
+        return PrefixLoad(n, tuple(names), sum(load.read_s[:n]), sum(load.copy_s[:n]))
+
+    def close(self) -> None:
+        """Stop the I/O threads. Reads still running are abandoned, not awaited: their callers
+        gave up on them after read_timeout_s, and a hung filesystem must not hang shutdown (and
+        the metrics after it)."""
+        with self._io_lock:
+            pools = list(self._io.values())
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, load: _Load, index: int, tier: Tier) -> cf.Future[str | None]:
+        pool = self._io.get(tier.name)
+        if pool is None:
+            with self._io_lock:
+                pool = self._io.get(tier.name)
+                if pool is None:
+                    pool = self._io[tier.name] = executor(self._io_threads, f"kvtier-io-{tier.name}",
+                                                          self._thread_init)
+        return pool.submit(self._deliver, load, index, tier)
+
+    def _next(self, load: _Load, i: int, located: Level, futures: list[cf.Future[str | None] | None]) -> str | None:
+        """Chunk ``i`` of ``load``, handed to its sink: the name of the tier it came from, or
+        None (not delivered: the prefix ends here).
+
+        Where the lookup found it first; if it is gone from there (evicted, corrupt, an I/O
+        error), from each usable tier below in turn. Every tier read, fallbacks included, runs on
+        that tier's I/O threads under ``read_timeout_s``, and a timeout trips the tier that did
+        not answer.
+        """
+        if located is self.host:
+            assert self.host is not None
+            lease = self.host.acquire(load.ids[i])
+            if lease is not None:
+                try:
+                    load.hand(i, lease.chunk.data)
+                finally:
+                    lease.release()
+                return self.host.name
+            below = 0  # evicted since the lookup
+        else:
+            below = load.tiers.index(cast(Tier, located))
+        tier: Level = located
+        fut = futures[i]
+        while True:
+            if fut is None:
+                usable = [t for t in load.tiers[below:] if self._guard.usable(t)]
+                if not usable:
+                    return None
+                tier = usable[0]
+                below = load.tiers.index(usable[0])
+                fut = futures[i] = self._submit(load, i, usable[0])
+            try:
+                name = self._await(fut, load.stop)
+            except cf.TimeoutError:
+                self._guard.trip(tier, f"read of chunk {i}")
+                return None
+            if name is not _GONE:
+                return name
+            below += 1
+            fut = None
+
+    def _await(self, fut: cf.Future[str | None], stop: threading.Event | None) -> str | None:
+        """``fut``'s result within ``read_timeout_s`` (else TimeoutError); None once ``stop`` is set."""
+        if stop is None:
+            return fut.result(timeout=self._read_timeout_s)
+        deadline = time.monotonic() + self._read_timeout_s
+        while not stop.is_set():
+            try:
+                return fut.result(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+            except cf.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        return None
+
+    def _deliver(self, load: _Load, index: int, tier: Tier) -> str | None:
+        """On ``tier``'s I/O thread: read chunk ``index`` there and hand it to the sink. Returns
+        the tier's name, ``_GONE`` when the tier did not deliver it, or None once the load has
+        returned. Adds the read's seconds to ``load.read_s[index]``."""
+        if not load.gate.is_open:
+            return None  # the load returned (or gave up on this chunk) before the read started
+        t0 = time.perf_counter()
+        got = self._read(load.ids[index], tier, load.spec, load.promote)
+        load.read_s[index] += time.perf_counter() - t0
+        if got is None:
+            return _GONE
+        try:
+            if not load.gate.enter():
+                return None  # the load returned without this chunk: its buffers are not ours
+            try:
+                load.hand(index, got.lease.chunk.data)
+            finally:
+                load.gate.leave()
+        finally:
+            got.lease.release()
+        return got.tier
+
+    def _read(self, cid: ChunkId, tier: Tier, spec: ChunkSpec, promote: bool) -> _Loaded | None:
+        """One tier's read, straight into a host DRAM slot (promotion without a copy); with no
+        host DRAM, no free slot or ``promote=False``, into a recycled buffer."""
+        host = self.host if promote else None
+        slot = host.reserve() if host is not None else None
+        into = host.slot_buffer(slot) if host is not None and slot is not None else self._buffers.take()
+
+        def give_back() -> None:
+            if host is not None and slot is not None:
+                host.abandon(slot)
+            else:
+                self._buffers.give(into)
+
+        try:
+            result = tier.load(cid, spec, into)
+        except BaseException:
+            give_back()
+            raise
+        if result.ok and result.chunk is not None:
+            if host is not None and slot is not None:
+                return _Loaded(tier.name, host.commit(slot, cid))
+            return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)))
+        give_back()
+        if result.status is not Status.MISS:
+            log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name, result.status.value, result.error)
+        return None

@@ -1,0 +1,126 @@
+"""Which chunks a chunk directory holds, asked by lookups: one ``stat`` per chunk. For a
+directory on a network filesystem (the shared pool), where each stat is a round trip, many
+stats are kept in flight and absences are remembered for a while (``parallel``).
+
+``ChunkFiles`` owns one (its ``parallel_lookups`` and ``leading_present``) and passes its stat
+function on each call, so this object holds no reference back to it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from kvtier.keys import ChunkId, ChunkKey
+from kvtier.threads import ThreadInit, executor
+
+MAX_ABSENT = 1 << 16  # keys a pool remembers as absent (parallel_lookups)
+
+StatSize = Callable[[ChunkKey], "int | None"]
+"""A chunk file's size, or None when it is absent."""
+
+
+class Presence:
+    """Leading-run presence checks for one chunk directory. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._absent: Absent | None = None
+        self.stats = Counter()
+        """File-metadata calls made (``ChunkFiles.lookup_stats``)."""
+
+    def parallel(self, threads: int, negative_ttl_s: float, init: ThreadInit | None = None) -> None:
+        """Keep up to ``threads`` stats in flight and remember absent chunks for ``negative_ttl_s``;
+        ``init`` runs first in each of those threads (``threads.py``)."""
+        self._pool = executor(threads, "kvtier-stat", init) if threads > 1 else None
+        if self._pool is not None:  # its idle threads go with this object (no close in the Tier protocol)
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._absent = Absent(negative_ttl_s) if negative_ttl_s > 0 else None
+
+    def forget(self, key: ChunkKey) -> None:
+        """``key`` has a file now (just published): forget that it was absent."""
+        if self._absent is not None:
+            self._absent.discard(key)
+
+    def leading(self, ids: Sequence[ChunkId], stat_size: StatSize) -> int:
+        """How many of ``ids``, from the first on, ``stat_size`` finds (at most one stat each).
+
+        With ``parallel``, stats run in windows that double from 8 to 256, so a prefix of n
+        chunks costs about n round trips / threads, and a miss early on wastes a few stats.
+        """
+        present = partial(self._present, stat_size)
+        pool = self._pool
+        if pool is None:
+            n = 0
+            for cid in ids:
+                if not present(cid.key):
+                    break
+                n += 1
+            return n
+        n, window = 0, 8
+        while n < len(ids):
+            for found in pool.map(present, [cid.key for cid in ids[n:n + window]]):
+                if not found:
+                    return n
+                n += 1
+            window = min(2 * window, 256)
+        return n
+
+    def _present(self, stat_size: StatSize, key: ChunkKey) -> bool:
+        absent = self._absent
+        if absent is not None and absent.holds(key):
+            return False
+        self.stats.add(1)
+        if stat_size(key) is not None:
+            return True
+        if absent is not None:
+            absent.add(key)
+        return False
+
+
+class Counter:
+    """A thread-safe count."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
+class Absent:
+    """Keys recently found absent, each remembered for ``ttl_s``; at most ``MAX_ABSENT`` of
+    them (the oldest forgotten first), so a flood of distinct misses costs bounded memory."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def holds(self, key: bytes) -> bool:
+        with self._lock:
+            until = self._until.get(key)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self._until[key]
+            return False
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._until[key] = time.monotonic() + self.ttl_s
+            self._until.move_to_end(key)
+            while len(self._until) > MAX_ABSENT:
+                self._until.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            self._until.pop(key, None)
