@@ -282,3 +282,19 @@ def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
     finally:
         faulty.wake()
         store.close()
+
+
+def test_faults_enter_through_the_tier_factory_and_name_only_opened_tiers(tmp_path, tiny) -> None:
+    from kvtier.tiers.opening import open_tiers
+
+    config = tiny.config(disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path / 'p'}")
+    tiers = open_tiers(config, faults={"pool": {"seed": 1, "error_prob": 1.0}})
+    try:
+        assert [type(t) for t in tiers][1] is FaultyTier and not isinstance(tiers[0], FaultyTier)
+        assert [t.name for t in tiers] == ["disk", "pool"]
+    finally:
+        for t in tiers:
+            t.close()
+    with pytest.raises(ValueError, match=r"inject_faults: no tier named \['redis'\]"):
+        open_tiers(config, faults={"redis": {"seed": 1}})
+    assert open_tiers(config)[0].name == "disk"  # the failed open released the disk tier's lock

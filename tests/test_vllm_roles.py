@@ -325,8 +325,7 @@ def make_scheduler(tp: int = 1, extra: dict[str, Any] | None = None) -> tuple[Sc
                                        "load_mode": "sync", **(extra or {})})
     counters = dict.fromkeys(("matched_tokens", "unavailable_tiers", "skipped_requests", "resumed_loads",
                               "async_loads", "lookup_timeouts", "decode_saves", "failed_loads"), 0)
-    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, None), dep, counters,
-                         inject_faults=bool(cfg.inject_faults)), counters
+    return SchedulerRole(cfg, store_config(cfg, rest, vllm_config(tp=tp), dep, None), dep, counters), counters
 
 
 def ask(role: SchedulerRole, req: Any, computed: int = 0) -> tuple[int, bool]:

@@ -67,7 +67,7 @@ from kvtier.tiers.base import Chunk, Level, Tier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import BufferPool, HostCache, Lease
 from kvtier.tiers.locate import locate, locate_named
-from kvtier.tiers.opening import open_tiers
+from kvtier.tiers.opening import Faults, open_tiers
 from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,10 @@ class TieredStore:
     def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
                  host: HostCache | None = None,
                  unavailable: Callable[[str, TierUnavailableError], None] | None = None,
-                 thread_init: ThreadInit | None = None) -> None:
+                 thread_init: ThreadInit | None = None, faults: Faults | None = None) -> None:
         """Open host DRAM and the tiers ``config`` names; or, when ``tiers`` is given, use
         ``tiers`` (ordered fastest first) and ``host`` (None: no host DRAM) instead.
+        ``faults``: tests only, faults to inject into the named tiers (``tiers.opening``).
 
         ``thread_init`` runs first in every thread the store starts (an engine's
         ``torch.cuda.set_device``: ``threads.py``). Raises TierUnavailableError when a directory
@@ -101,7 +102,8 @@ class TieredStore:
         if tiers is None and host is None and config.host_bytes > 0:
             host = HostCache(config.host_bytes, config.layout, config.chunk_tokens, prefault=config.host_prefault)
         self.host: HostCache | None = host
-        self.tiers: list[Tier] = list(tiers) if tiers is not None else open_tiers(config, unavailable, thread_init)
+        opened = list(tiers) if tiers is not None else open_tiers(config, unavailable, thread_init, faults)
+        self.tiers: list[Tier] = opened
         self.store_metrics = TierMetrics("store")
         self._failures = Failures(self.store_metrics)
         self._specs: OrderedDict[bytes, ChunkSpec] = OrderedDict()  # by namespace digest, LRU

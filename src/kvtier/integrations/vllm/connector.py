@@ -73,7 +73,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                        self.deployment.sharding.num_shards,
                                        self.connector_config.events_max_chunks) if events else None
             self.scheduler = SchedulerRole(self.connector_config, self.store_config, self.deployment, self.counters,
-                                           inject_faults=bool(self.connector_config.inject_faults),
                                            events=chunk_events)
         else:
             self.worker = WorkerRole(self.connector_config, self.store_config, self.deployment, rank, self.counters,

@@ -94,13 +94,9 @@ class RankTiers:
         self.host_views: dict[int, HostView] = {}
         self.pool: Tier | None = None
         try:
-            self.pool = open_pool_tier(store_config)
+            self.pool = open_pool_tier(store_config, faults=faults)
         except TierUnavailableError as exc:
             tier_unavailable(counters, "pool", exc)
-        if self.pool is not None and faults and self.pool.name in faults:
-            from kvtier.tiers.faulty import FaultyTier
-
-            self.pool = FaultyTier(self.pool, **faults[self.pool.name])
         self.by_rank: dict[int, list[Level]] = {}
         for rank in range(dep.sharding.world_size):
             tiers: list[Level] = []

@@ -91,7 +91,7 @@ class SchedulerRole:
     """See the module docstring."""
 
     def __init__(self, connector_config: ConnectorConfig, store_config: StoreConfig, dep: Deployment,
-                 counters: dict[str, int], inject_faults: bool = False, events: ChunkEvents | None = None) -> None:
+                 counters: dict[str, int], events: ChunkEvents | None = None) -> None:
         self.connector_config, self.store_config, self.dep = connector_config, store_config, dep
         self.counters = new_counters(counters)
         self.chunk_tokens = store_config.chunk_tokens
@@ -108,8 +108,7 @@ class SchedulerRole:
         self._finishing: list[Save] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store_config.read_timeout_s, store_config.tier_cooldown_s)
         self.events = events
-        faults = connector_config.inject_faults if inject_faults else None
-        self.views = RankTiers(store_config, dep, self.guard, self.counters, faults)
+        self.views = RankTiers(store_config, dep, self.guard, self.counters, connector_config.inject_faults)
         self.adapters = AdapterIdentities()
         self._warned: set[str] = set()
         self.profiler = Profiler(connector_config.profile_file) if connector_config.profile_file is not None else None

@@ -159,18 +159,8 @@ class WorkerRole:
 
     def open_store(self) -> None:
         init = self._thread_init()
-        store = TieredStore(self.store_config, unavailable=self._left_out, thread_init=init)
-        faults = self.connector_config.inject_faults
-        if faults:
-            from kvtier.tiers.faulty import FaultyTier
-
-            unknown = set(faults) - {t.name for t in store.tiers}
-            if unknown:
-                store.close()
-                raise ValueError(f"kvtier setting inject_faults: no tier named {sorted(unknown)}; tiers: "
-                                 f"{[t.name for t in store.tiers]}")
-            store.tiers = [FaultyTier(t, **faults[t.name]) if t.name in faults else t for t in store.tiers]
-            log.warning("kvtier: injecting faults into %s (a test setting)", sorted(faults))
+        store = TieredStore(self.store_config, unavailable=self._left_out, thread_init=init,
+                            faults=self.connector_config.inject_faults)
         if store.host is not None:
             store.host.track_changes()
         if self.events:
