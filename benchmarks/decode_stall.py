@@ -39,12 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from kvtier.bench.summary import quantile
 
 
 async def _stream(engine: Any, prompt: list[int], params: Any, req_id: str, times: list[float]) -> int:

@@ -47,7 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.retention_figures import KVTIER_LOADED, PREFIX_HITS, median, summarize
+from kvtier.bench.retention_figures import KVTIER_LOADED, PREFIX_HITS, summarize
+from kvtier.bench.summary import median
 from kvtier.bench.tokens import TokenServer, metric_delta
 
 CHUNK = 256

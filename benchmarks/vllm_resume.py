@@ -92,7 +92,7 @@ def session_files(pool: Path, session: list[int], chunk_tokens: int = 256) -> li
     return found
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: kvtier model make into a temp dir)")
     ap.add_argument("--tokens", type=int, default=8192)
@@ -104,21 +104,15 @@ def main() -> int:
     ap.add_argument("--warmup", action="store_true",
                     help="every process serves one short new prompt first, left out of the figures")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
-    from kvtier.bench.model import model_or_tiny
+    return ap.parse_args()
 
-    model = model_or_tiny(args.model, tmp)
-    rng = random.Random(1)
-    sessions = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
-    fresh = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
-    warm = [rng.randrange(100, 31000) for _ in range(300)]
+
+def _steps(args: argparse.Namespace, model: Path, tmp: Path, sessions: list[list[int]], fresh: list[list[int]],
+           warm: list[int]) -> list[tuple[str, dict[str, Any]]]:
+    """The engine processes to run, in order: the floor, plain vLLM, kvtier's, the peer's."""
     base = {"model": str(model), "max_tokens": 1, "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_gib": 2,
             "logprobs": None, "log_stats": False}  # timing runs: no log-probabilities, no vLLM metrics
-    pool, shared = tmp / "pool", tmp / "example"
-    kv_extra = {"pool_url": f"fs://{pool}", "host_bytes": "1GiB", "io_threads": args.io_threads}
-    results: dict[str, Any] = {}
-    read_s: float | None = None
+    kv_extra = {"pool_url": f"fs://{tmp / 'pool'}", "host_bytes": "1GiB", "io_threads": args.io_threads}
 
     def plan(n: int, again: bool = False) -> dict[str, Any]:
         """Prompts and plan: the warm-up prompt (index n) first if asked, each session once
@@ -130,7 +124,7 @@ def main() -> int:
 
     on_sessions = {"prompts": [*sessions, warm], **plan(args.sessions)}
     on_fresh = {"prompts": [*fresh, warm], **plan(args.sessions)}
-    example = {"connector": "example", "extra": {"shared_storage_path": str(shared)}}
+    example = {"connector": "example", "extra": {"shared_storage_path": str(tmp / "example")}}
     steps = [
         ("floor", {**base, "connector": None, "prompts": [*sessions, warm], **plan(args.sessions, again=True)}),
         ("plain", {**base, "connector": None, **on_fresh}),
@@ -145,57 +139,87 @@ def main() -> int:
     ]
     if args.skip_example:
         steps = [(name, spec) for name, spec in steps if not name.startswith("example")]
-    for name, spec in steps:
+    return steps
+
+
+def _ratios(ttft: dict[str, float | None], read_s: float | None) -> dict[str, Any]:
+    """Every ratio of the run, each only where both of its figures were measured."""
+    out: dict[str, Any] = {}
+    rec, kv, ex, never = ttft["plain"], ttft["kvtier-resume"], ttft.get("example-resume"), ttft["kvtier-never"]
+    floor = ttft["floor"]
+    if floor and kv and read_s is not None:
+        out["floor_s"], out["raw_read_per_session_s"] = floor, read_s
+        out["floor_bytes_s"] = floor + read_s
+        out["kvtier_x_floor"] = kv / floor
+        out["kvtier_x_floor_bytes"] = kv / (floor + read_s)
+        if ex:
+            out["example_x_floor_bytes"] = ex / (floor + read_s)
+    if rec and kv:
+        out["kvtier_speedup_vs_recompute"] = rec / kv
+    populate = ttft["kvtier-populate"]
+    if populate and kv:
+        out["kvtier_speedup_vs_recompute_same_binding"] = populate / kv
+        out["kvtier_populate_recompute_s"] = populate
+    sync = ttft.get("kvtier-resume-sync")
+    if kv and sync:
+        # The default (async: the request waits while the engine goes on) vs the old path.
+        out["kvtier_async_vs_sync_resume_ttft_ratio"] = kv / sync
+    if kv and ex:
+        out["kvtier_vs_example_ttft_ratio"] = kv / ex
+    if rec and never:
+        # vLLM's CPU backend binds threads differently once any connector is set: this ratio
+        # mixes that with kvtier's own cost, which the next one isolates (saving on vs off).
+        out["connector_set_vs_plain_all_new"] = never / rec - 1
+    if never and populate:
+        out["kvtier_saving_overhead_all_new"] = populate / never - 1
+    return out
+
+
+def _checks(args: argparse.Namespace, results: dict[str, Any], model: Path, pool: Path,
+            warm: list[int]) -> dict[str, Any]:
+    """Same outputs, tokens served from the cache, and the pool's file count against the expected."""
+    out: dict[str, Any] = {}
+    if "error" not in results["kvtier-resume"] and "error" not in results["kvtier-populate"]:
+        out["outputs_equal_kvtier_vs_populate"] = [r["tokens"] for r in results["kvtier-resume"]["results"]] == [
+            r["tokens"] for r in results["kvtier-populate"]["results"]]
+        out["kvtier_cached_tokens"] = [r["cached"] for r in results["kvtier-resume"]["results"]
+                                       if r.get("tag") != "warmup"]
+        out["pool_chunk_files"] = len(list(pool.glob("??/??/*.kvt")))
+        # One file per KV head of each full chunk (head shards), the warm-up prompt's included.
+        heads = json.loads((model / "config.json").read_text())["num_key_value_heads"]
+        chunks = args.sessions * (args.tokens // 256) + (len(warm) // 256 if args.warmup else 0)
+        out["pool_chunk_files_expected"] = heads * chunks
+    if "error" not in results.get("example-resume", {"error": ""}):
+        out["example_cached_tokens"] = [r["cached"] for r in results["example-resume"]["results"]
+                                        if r.get("tag") != "warmup"]
+    return out
+
+
+def main() -> int:
+    args = _args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
+    from kvtier.bench.model import model_or_tiny
+
+    model = model_or_tiny(args.model, tmp)
+    rng = random.Random(1)
+    sessions = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
+    fresh = [[rng.randrange(100, 31000) for _ in range(args.tokens)] for _ in range(args.sessions)]
+    warm = [rng.randrange(100, 31000) for _ in range(300)]
+    pool = tmp / "pool"
+    results: dict[str, Any] = {}
+    read_s: float | None = None
+    for name, spec in _steps(args, model, tmp, sessions, fresh, warm):
         print(f"running {name} ...", file=sys.stderr, flush=True)
         results[name] = run(spec, tmp, name)
         print(f"  {name}: TTFT median {median_ttft(results[name])}", file=sys.stderr, flush=True)
         if name == "kvtier-resume" and "error" not in results[name]:
-            reads = [raw_read_s(session_files(pool, session)) for session in sessions]
-            read_s = statistics.median(reads)
+            read_s = statistics.median(raw_read_s(session_files(pool, session)) for session in sessions)
     ttft = {name: median_ttft(r) for name, r in results.items()}
     ttft["floor"] = median_ttft(results["floor"], "hit")  # its first pass is a plain prefill
     summary: dict[str, Any] = {"tokens": args.tokens, "sessions": args.sessions, "io_threads": args.io_threads,
-                               "warmup": args.warmup,
-                               "tensor_parallel_size": args.tensor_parallel_size, "ttft_median_s": ttft}
-    rec, kv, ex, never = ttft["plain"], ttft["kvtier-resume"], ttft.get("example-resume"), ttft["kvtier-never"]
-    floor = ttft["floor"]
-    if floor and kv and read_s is not None:
-        summary["floor_s"], summary["raw_read_per_session_s"] = floor, read_s
-        summary["floor_bytes_s"] = floor + read_s
-        summary["kvtier_x_floor"] = kv / floor
-        summary["kvtier_x_floor_bytes"] = kv / (floor + read_s)
-        if ex:
-            summary["example_x_floor_bytes"] = ex / (floor + read_s)
-    if rec and kv:
-        summary["kvtier_speedup_vs_recompute"] = rec / kv
-    if ttft["kvtier-populate"] and kv:
-        summary["kvtier_speedup_vs_recompute_same_binding"] = ttft["kvtier-populate"] / kv
-        summary["kvtier_populate_recompute_s"] = ttft["kvtier-populate"]
-    sync = ttft.get("kvtier-resume-sync")
-    if kv and sync:
-        # The default (async: the request waits while the engine goes on) vs the old path.
-        summary["kvtier_async_vs_sync_resume_ttft_ratio"] = kv / sync
-    if kv and ex:
-        summary["kvtier_vs_example_ttft_ratio"] = kv / ex
-    if rec and never:
-        # vLLM's CPU backend binds threads differently once any connector is set: this ratio
-        # mixes that with kvtier's own cost, which the next one isolates (saving on vs off).
-        summary["connector_set_vs_plain_all_new"] = never / rec - 1
-    if never and ttft["kvtier-populate"]:
-        summary["kvtier_saving_overhead_all_new"] = ttft["kvtier-populate"] / never - 1
-    if "error" not in results["kvtier-resume"] and "error" not in results["kvtier-populate"]:
-        summary["outputs_equal_kvtier_vs_populate"] = [r["tokens"] for r in results["kvtier-resume"]["results"]] == [
-            r["tokens"] for r in results["kvtier-populate"]["results"]]
-        summary["kvtier_cached_tokens"] = [r["cached"] for r in results["kvtier-resume"]["results"]
-                                           if r.get("tag") != "warmup"]
-        summary["pool_chunk_files"] = len(list(pool.glob("??/??/*.kvt")))
-        # One file per KV head of each full chunk (head shards), the warm-up prompt's included.
-        heads = json.loads((model / "config.json").read_text())["num_key_value_heads"]
-        chunks = args.sessions * (args.tokens // 256) + (len(warm) // 256 if args.warmup else 0)
-        summary["pool_chunk_files_expected"] = heads * chunks
-    if "error" not in results.get("example-resume", {"error": ""}):
-        summary["example_cached_tokens"] = [r["cached"] for r in results["example-resume"]["results"]
-                                            if r.get("tag") != "warmup"]
+                               "warmup": args.warmup, "tensor_parallel_size": args.tensor_parallel_size,
+                               "ttft_median_s": ttft, **_ratios(ttft, read_s),
+                               **_checks(args, results, model, pool, warm)}
     summary["errors"] = {name: r["error"][-500:] for name, r in results.items() if "error" in r}
     print(json.dumps(summary, indent=2))
     if args.out:

@@ -8,26 +8,14 @@ counters read at each run's end (kvtier.bench.tokens.scrape_metrics's keys).
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
+
+from kvtier.bench.summary import median, quantile
 
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 KVTIER_LOADED = "kvtier_loaded_tokens_total"
 POOL_EVICTIONS = "kvtier_evictions_total{tier=pool}"
 POOL_HIT_TOKENS = "kvtier_hit_tokens_total{tier=pool}"
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    """The value at rank ``int(q * n)`` of the sorted values (no interpolation); None for none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def median(values: list[float]) -> float | None:
-    """statistics.median, None for no values."""
-    return statistics.median(values) if values else None
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:

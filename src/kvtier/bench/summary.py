@@ -8,6 +8,7 @@ instances, the suite's configuration registry (kvtier.bench.configs), then concu
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -39,6 +40,19 @@ def section_sort_key(section: SectionKey) -> tuple[int, str, int]:
 def _group_sort_key(key: GroupKey) -> tuple[tuple[int, str, int], tuple[int, str], int]:
     config, instances, workload, concurrency = key
     return (section_sort_key((workload, instances)), config_sort_key(config), concurrency)
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The value at rank ``int(q * n)`` of the sorted values (no interpolation); None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: list[float]) -> float | None:
+    """statistics.median, None for no values."""
+    return statistics.median(values) if values else None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
