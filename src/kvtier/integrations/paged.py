@@ -210,9 +210,9 @@ class PagedKV:
             # torch's index_copy_ could start OpenMP teams that take the cores the engine's
             # forward pass is running on (measured: decode steps of other requests slowed).
             for run, page in zip(self._numpy_runs()[shard], self._pages(flat, len(block_ids), shard), strict=True):
-                src = page.numpy()
+                rows = page.numpy()
                 for j in keep:
-                    run[block_ids[j]] = src[j]
+                    run[block_ids[j]] = rows[j]
             return
         idx = self._index([block_ids[j] for j in keep])  # type: ignore[misc]
         src_idx = torch.tensor(keep, dtype=torch.long)

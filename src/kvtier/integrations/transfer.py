@@ -100,7 +100,7 @@ class LoadJob:
 def _cuda_register(array: np.ndarray) -> bool:
     """Page-lock ``array`` (cudaHostRegister), so copies to and from it are asynchronous."""
     try:
-        err = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)  # type: ignore[no-untyped-call]
     except (RuntimeError, AttributeError) as exc:
         log.warning("kvtier: cannot page-lock %d bytes of host memory: %s", array.nbytes, exc)
         return False
@@ -132,8 +132,8 @@ class PageMover:
         self.load_stream: Any = None
         self.save_stream: Any = None
         if self.cuda:
-            self.load_stream = torch.cuda.Stream(paged.device)
-            self.save_stream = torch.cuda.Stream(paged.device)
+            self.load_stream = torch.cuda.Stream(paged.device)  # type: ignore[no-untyped-call]
+            self.save_stream = torch.cuda.Stream(paged.device)  # type: ignore[no-untyped-call]
             self.pinned = store.pin_host_memory(_cuda_register)
             if not self.pinned:
                 # Pageable host memory makes every save's device-to-host copy synchronous: each

@@ -136,7 +136,7 @@ def run_probe(path: str | os.PathLike[str], *, total_bytes: int = 1 << 30, threa
 
 
 def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVLayout,
-           chunk_tokens: int, session_chunks: int, report: Callable[[str, float], None]) -> ProbeResult:
+           chunk_tokens: int, session_chunks: int, report: Callable[[str, float], None]) -> FsProbeResult:
     chunk_bytes = chunk_tokens * layout.bytes_per_token
     n_chunks = max(session_chunks, total_bytes // chunk_bytes)
     n_sessions = max(1, n_chunks // session_chunks)

@@ -56,8 +56,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        # vLLM 0.32's engine always passes kv_cache_config; older callers (and tests) may not.
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None, "vLLM builds a KV connector only from --kv-transfer-config"
+        extra = transfer.kv_connector_extra_config
         self.connector_config, settings = ConnectorConfig.split(extra)
         self.deployment = deployment(vllm_config, kv_cache_config)
         rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0

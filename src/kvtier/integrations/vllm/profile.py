@@ -130,9 +130,9 @@ class Profiler:
             self._write(profile)
             del self._open[profile.req_id]
         for req_id, tokens in scheduled.items():
-            profile = self._open.get(req_id)
-            if profile is not None and profile.scheduled is None:
-                profile.scheduled, profile.scheduled_tokens = now, tokens
+            waiting = self._open.get(req_id)
+            if waiting is not None and waiting.scheduled is None:
+                waiting.scheduled, waiting.scheduled_tokens = now, tokens
         for profile in self._open.values():
             if profile.dispatched is not None and profile.scheduled is None:
                 profile.wait_steps += 1
