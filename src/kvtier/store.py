@@ -102,8 +102,8 @@ class TieredStore:
         if tiers is None and host is None and config.host_bytes > 0:
             host = HostCache(config.host_bytes, config.layout, config.chunk_tokens, prefault=config.host_prefault)
         self.host: HostCache | None = host
-        opened = list(tiers) if tiers is not None else open_tiers(config, unavailable, thread_init, faults)
-        self.tiers: list[Tier] = opened
+        self.tiers: list[Tier] = (list(tiers) if tiers is not None
+                                  else open_tiers(config, unavailable, thread_init, faults))
         self.store_metrics = TierMetrics("store")
         self._failures = Failures(self.store_metrics)
         self._specs: OrderedDict[bytes, ChunkSpec] = OrderedDict()  # by namespace digest, LRU

@@ -44,6 +44,7 @@ REDIS = TierKind("redis", 2, "STORAGE", shared=True, may_hang=False, persistent=
 
 KINDS: dict[str, TierKind] = {k.name: k for k in (HOST, DISK, POOL, REDIS)}
 SHARED: tuple[str, ...] = tuple(k.name for k in KINDS.values() if k.shared)
+_ORDER: dict[str, int] = {n: k.order for n, k in KINDS.items()}  # slowest() runs per chunk of a lookup
 
 
 def kind(name: str) -> TierKind:
@@ -56,5 +57,4 @@ def kind(name: str) -> TierKind:
 
 def slowest(a: str, b: str) -> str:
     """Of two tier names, the one looked up later (unknown names count as slowest)."""
-    order = {n: k.order for n, k in KINDS.items()}
-    return max(a, b, key=lambda n: order.get(n, len(KINDS)))
+    return max(a, b, key=lambda n: _ORDER.get(n, len(KINDS)))

@@ -89,7 +89,7 @@ class RankTiers:
 
     def __init__(self, store_config: StoreConfig, dep: Deployment, guard: TierGuard, counters: dict[str, int],
                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        self.store_config, self.dep, self.guard, self.counters = store_config, dep, guard, counters
+        self.dep, self.guard = dep, guard
         self.chunk_tokens = store_config.chunk_tokens
         self.host_views: dict[int, HostView] = {}
         self.pool: Tier | None = None
