@@ -151,3 +151,19 @@ def test_vllm_builds_the_scheduler_side_from_the_extra_config(tmp_path: Path, co
             assert list((work / "fs").glob("*/config.json"))  # the fs tier wrote its run config there
     finally:
         manager.shutdown()
+
+
+def test_kvtiers_configurations_take_the_suites_chunk_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from kvtier.cli.main import main
+
+    for config in ("local-disk", "shared-pool"):
+        spec = SuiteSpec(tmp_path / "out", model=tmp_path / "model", configs=(config,), chunk_tokens=128)
+        argv = list(ConfigRunner(spec, config, tmp_path / "model", max_len=8192).engines[0].argv)
+        settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        assert settings["chunk_tokens"] == 128
+    # Not a multiple of vLLM's smallest block size: refused before any engine starts.
+    assert main(["bench", "suite", "--out", str(tmp_path / "o"), "--chunk-tokens", "100"]) != 0
+    assert "--chunk-tokens: a positive multiple of 16, got 100" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

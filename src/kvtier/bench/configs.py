@@ -39,6 +39,7 @@ class SuiteSpec:
     extra: Sequence[WorkloadSpec] = ()  # short-chat / chat workloads run after the resume phase
     run_cold: bool = True  # False: only the ``extra`` workloads (e.g. a short-chat-only run)
     host_bytes: str = "1GiB"
+    chunk_tokens: int = 256  # kvtier's configurations: tokens per chunk (a multiple of the block size)
     kv_cache_gib: int = 2
     floor_kv_cache_gib: int = 6  # engine-cache: room for every session's KV (the tiny model: ~3M tokens)
     lmcache_python: str | None = None

@@ -74,6 +74,9 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--instances", type=int, choices=(1, 2), default=1)
     suite.add_argument("--context", type=token_range, default=None, help="override the cold-resume context range")
     suite.add_argument("--sessions", type=int, default=None, help="minimum cold-resume sessions per level")
+    suite.add_argument("--chunk-tokens", type=int, default=None,
+                       help="tokens per chunk of kvtier's configurations (default 256; a multiple of vLLM's "
+                            "block size, 16): smaller chunks recompute less of a resumed prompt's tail")
     suite.add_argument("--no-short-chat", action="store_true", help="skip the short-chat workload")
     suite.add_argument("--only-short-chat", action="store_true",
                        help="run only the short-chat workload (the boundary case), skipping cold resume")
@@ -124,6 +127,10 @@ def _suite(args: argparse.Namespace) -> int:
         spec.cold = replace(spec.cold, context_tokens=args.context)
     if args.sessions:
         spec.cold = replace(spec.cold, sessions=args.sessions)
+    if args.chunk_tokens is not None:
+        if args.chunk_tokens <= 0 or args.chunk_tokens % 16:
+            raise ValueError(f"--chunk-tokens: a positive multiple of 16, got {args.chunk_tokens}")
+        spec.chunk_tokens = args.chunk_tokens
     if args.no_short_chat and args.only_short_chat:
         raise ValueError("--no-short-chat and --only-short-chat exclude each other")
     if args.no_short_chat:
