@@ -167,3 +167,31 @@ def test_kvtiers_configurations_take_the_suites_chunk_size(tmp_path: Path, capsy
     assert main(["bench", "suite", "--out", str(tmp_path / "o"), "--chunk-tokens", "100"]) != 0
     assert "--chunk-tokens: a positive multiple of 16, got 100" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_more_kvtier_settings_reach_its_configurations_and_bad_ones_are_refused_before_any_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from kvtier.bench.configs import CONNECTOR_KEYS, kvtier_setting
+    from kvtier.cli.main import main
+
+    assert kvtier_setting("load_mode=sync") == ("load_mode", "sync")
+    assert kvtier_setting("io_threads=4") == ("io_threads", 4)
+    assert kvtier_setting("fsync=true") == ("fsync", True)
+    spec = SuiteSpec(tmp_path / "out", model=tmp_path / "model", configs=("shared-pool",),
+                     kvtier_settings=dict([kvtier_setting("load_mode=sync")]))
+    argv = list(ConfigRunner(spec, "shared-pool", tmp_path / "model", max_len=8192).engines[0].argv)
+    settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+    assert settings["load_mode"] == "sync" and settings["pool_url"].startswith("fs://")
+    for bad, why in (("load_mode", "expected KEY=VALUE"), ("no_such=1", "unknown kvtier setting 'no_such'"),
+                     ("pool_url=fs:///elsewhere", "pool_url is set by the suite itself"),
+                     ("chunk_size=128", "use --chunk-tokens"), ("io_threads=[", "not a YAML value")):
+        assert main(["bench", "suite", "--out", str(tmp_path / "o"), "--kvtier-setting", bad]) != 0
+        assert why in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    assert set(CONNECTOR_KEYS) == set(ConnectorConfig.KEYS) - {"metrics_file", "profile_file", "config",
+                                                               "inject_faults"}

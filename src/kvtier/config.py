@@ -307,6 +307,12 @@ def load_settings(source: str | os.PathLike[str] | Mapping[str, Any] | None,
     return _build(settings)
 
 
+def known_setting(name: str) -> bool:
+    """Whether ``name`` is a store setting ``load_settings`` takes (aliases included)."""
+    return (_ALIASES.get(name, name) in {f.name for f in fields(StoreConfig)} or name in _LAYOUT_KEYS
+            or name in _GB_ALIASES)
+
+
 def _canonical(layer: Mapping[str, Any]) -> dict[str, Any]:
     """One layer of settings with aliases replaced by canonical names (GB aliases in bytes)."""
     out: dict[str, Any] = {}

@@ -8,9 +8,10 @@ imports neither of them: it is the one place both read the names from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from kvtier.workload import WorkloadSpec
 
@@ -40,6 +41,7 @@ class SuiteSpec:
     run_cold: bool = True  # False: only the ``extra`` workloads (e.g. a short-chat-only run)
     host_bytes: str = "1GiB"
     chunk_tokens: int = 256  # kvtier's configurations: tokens per chunk (a multiple of the block size)
+    kvtier_settings: Mapping[str, Any] = field(default_factory=dict)  # more of their settings (kvtier_setting)
     kv_cache_gib: int = 2
     floor_kv_cache_gib: int = 6  # engine-cache: room for every session's KV (the tiny model: ~3M tokens)
     lmcache_python: str | None = None
@@ -69,3 +71,41 @@ def presets(name: str, out: Path) -> SuiteSpec:
                          cold=WorkloadSpec("cold-resume", 8, (6144, 8192), 2, 32, 32), sessions_per_concurrency=1,
                          host_bytes="2GiB", kv_cache_gib=4, lmcache_l1_gib=2.0)
     raise ValueError(f"preset: {name!r}; use one of {', '.join(PRESETS)}")
+
+
+# The settings the suite gives kvtier's configurations itself: where their storage and their
+# records go, and the sizes every configuration shares.
+SUITE_OWNED = ("pool_url", "remote_url", "disk_path", "local_disk", "pool_bytes", "disk_bytes", "host_bytes",
+               "max_local_cpu_size", "max_local_disk_size", "chunk_tokens", "chunk_size", "metrics_file",
+               "profile_file", "config")
+
+
+def kvtier_setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` (``VALUE`` read as YAML: ``sync``, ``8``, ``true``) as one more setting of
+    kvtier's configurations. ValueError for a malformed pair, a key kvtier does not know, or one
+    the suite sets itself (``SUITE_OWNED``; the chunk size has ``--chunk-tokens``)."""
+    import yaml
+
+    from kvtier.config import StoreConfig, known_setting
+
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"--kvtier-setting: expected KEY=VALUE (e.g. load_mode=sync), got {text!r}")
+    if key in SUITE_OWNED:
+        raise ValueError(f"--kvtier-setting: {key} is set by the suite itself"
+                         + (" (use --chunk-tokens)" if key in ("chunk_tokens", "chunk_size") else ""))
+    if not known_setting(key) and key not in CONNECTOR_KEYS:
+        names = sorted({f.name for f in fields(StoreConfig)} | set(CONNECTOR_KEYS))
+        raise ValueError(f"--kvtier-setting: unknown kvtier setting {key!r}; known: {', '.join(names)}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--kvtier-setting {key}: not a YAML value: {raw!r} ({exc})") from None
+    return key, value
+
+
+# The vLLM connector's own settings (integrations/vllm/config.ConnectorConfig.KEYS, which needs
+# torch to import); tests/test_bench_offloading.py holds the two lists equal.
+CONNECTOR_KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
+                  "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks")

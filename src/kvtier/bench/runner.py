@@ -131,7 +131,8 @@ class ConfigRunner:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
 
     def _kvtier(self, i: int, args: list[str]) -> list[str]:
-        settings: dict[str, Any] = {"host_bytes": self.spec.host_bytes, "chunk_tokens": self.spec.chunk_tokens}
+        settings: dict[str, Any] = {**self.spec.kvtier_settings, "host_bytes": self.spec.host_bytes,
+                                    "chunk_tokens": self.spec.chunk_tokens}
         if self.config == "local-disk":
             settings["disk_path"] = str(self.work / f"disk-{i}")
             settings["disk_bytes"] = "16GiB"

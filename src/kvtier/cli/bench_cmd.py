@@ -77,6 +77,9 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--chunk-tokens", type=int, default=None,
                        help="tokens per chunk of kvtier's configurations (default 256; a multiple of vLLM's "
                             "block size, 16): smaller chunks recompute less of a resumed prompt's tail")
+    suite.add_argument("--kvtier-setting", action="append", default=[], metavar="KEY=VALUE",
+                       help="one more setting of kvtier's configurations (repeatable; VALUE read as YAML), "
+                            "e.g. load_mode=sync or io_threads=4; recorded in env.json")
     suite.add_argument("--no-short-chat", action="store_true", help="skip the short-chat workload")
     suite.add_argument("--only-short-chat", action="store_true",
                        help="run only the short-chat workload (the boundary case), skipping cold resume")
@@ -131,6 +134,10 @@ def _suite(args: argparse.Namespace) -> int:
         if args.chunk_tokens <= 0 or args.chunk_tokens % 16:
             raise ValueError(f"--chunk-tokens: a positive multiple of 16, got {args.chunk_tokens}")
         spec.chunk_tokens = args.chunk_tokens
+    if args.kvtier_setting:
+        from kvtier.bench.configs import kvtier_setting
+
+        spec.kvtier_settings = dict(kvtier_setting(text) for text in args.kvtier_setting)
     if args.no_short_chat and args.only_short_chat:
         raise ValueError("--no-short-chat and --only-short-chat exclude each other")
     if args.no_short_chat:
