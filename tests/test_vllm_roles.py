@@ -663,3 +663,31 @@ def test_the_resume_profile_follows_a_request_from_arrival_to_its_prefill_step(t
         assert got[name] >= 0, name
     parts = got["answer_s"] + got["alloc_s"] + got["queue_s"] + got["load_s"] + got["report_s"] + got["schedule_s"]
     assert abs(parts + got["prefill_s"] - got["total_s"]) < 1e-5  # the spans tile the request's time
+
+
+def test_a_sync_loads_profile_puts_the_load_inside_its_prefill_step_and_still_tiles(tmp_path: Any) -> None:
+    """Before: a sync load (read inside the step that prefills) gave a negative schedule_s
+    (about -45 ms in the c=2 suite) and a prefill_s that counted the read twice."""
+    import json
+
+    from kvtier.integrations.vllm.common import LoadTime
+
+    path = tmp_path / "profile.jsonl"
+    role, _ = make_scheduler(extra={"profile_file": str(path)})  # load_mode sync
+    req = request("ps", list(range(9500, 9500 + 2 * CHUNK + 5)))
+    held(role, req, 2)
+    assert ask(role, req) == (2 * CHUNK, False)
+    role.update_state_after_alloc(req, blocks(list(range(5))), 2 * CHUNK)
+    meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="ps", block_ids=(list(range(5)),),
+                                                                  num_computed_tokens=2 * CHUNK)], scheduled={"ps": 5}))
+    assert len(meta.loads) == 1
+    t = time.monotonic() + 0.05  # the worker reads within the step, after it was scheduled
+    role.update_connector_output(KVTierWorkerMeta(load_times=[
+        LoadTime("ps", 0, t - 0.03, t - 0.03, t, t, 2, 0.02, 0.005, "host")]))
+    time.sleep(0.06)
+    role.build_connector_meta(output())
+    got = json.loads(path.read_text().splitlines()[0])
+    assert got["wait_steps"] == 0 and "schedule_s" not in got
+    assert got["prefill_s"] >= 0
+    parts = got["answer_s"] + got["alloc_s"] + got["queue_s"] + got["load_s"] + got["report_s"]
+    assert abs(parts + got["prefill_s"] - got["total_s"]) < 1e-5

@@ -142,6 +142,7 @@ def profile_markdown(rows: list[Record]) -> list[str]:
     lines += ["", "answer: arrival to the connector's answer (lookup included); alloc: to the load's dispatch; "
               "queue: to the first read; load: first read to last chunk in the blocks (read, copy: summed over "
               "chunks, overlapping); report: to every rank reporting it; schedule: to the step that prefills the "
-              "suffix; prefill: that step; total: the connector's view of the time to first token; outside: the "
+              "suffix (— with load_mode sync: the load runs inside that step); prefill: that step, from the load's "
+              "end on for a sync load; total: the connector's view of the time to first token; outside: the "
               "client's TTFT minus total (HTTP, tokenizing, detokenizing).", ""]
     return lines

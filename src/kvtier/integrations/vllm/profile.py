@@ -16,7 +16,10 @@ that file (one JSON object per line) once the step after its prefill begins. Tim
 * ``report_s``: from the last chunk in to every rank having reported it to vLLM (get_finished);
 * ``schedule_s``: from that report to the step that schedules the request's prefill; with
   ``wait_steps``, the engine steps the request spent waiting for its load (WAITING_FOR_REMOTE_KVS);
-* ``prefill_s``: the step that prefills the suffix (until the next step begins);
+* ``prefill_s``: the step that prefills the suffix (until the next step begins); with
+  ``load_mode: sync`` the load runs inside that step, before its forward pass: then there is
+  no ``schedule_s`` and ``prefill_s`` starts when the load was reported, so the spans still
+  tile the request's time and ``prefill_s`` means the same in both modes;
 * ``total_s``: arrival to the end of that step, the connector's view of the time to first token.
 
 A request without a load (a miss, a short hit, a recompute decision) has only the fields that
@@ -87,8 +90,11 @@ class Profile:
             out["ranks"] = len({t.rank for t in self.loads})
             out["wait_steps"] = self.wait_steps
             ready = reported
-        span("schedule_s", ready, self.scheduled)
-        span("prefill_s", self.scheduled, self.prefilled)
+        if self.loads and self.scheduled is not None and ready > self.scheduled:
+            span("prefill_s", ready, self.prefilled)  # a sync load: read within the prefill's own step
+        else:
+            span("schedule_s", ready, self.scheduled)
+            span("prefill_s", self.scheduled, self.prefilled)
         span("total_s", self.arrived, self.prefilled)
         return out
 
