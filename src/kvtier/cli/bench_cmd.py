@@ -75,8 +75,9 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--context", type=token_range, default=None, help="override the cold-resume context range")
     suite.add_argument("--sessions", type=int, default=None, help="minimum cold-resume sessions per level")
     suite.add_argument("--chunk-tokens", type=int, default=None,
-                       help="tokens per chunk of kvtier's configurations (default 256; a multiple of vLLM's "
-                            "block size, 16): smaller chunks recompute less of a resumed prompt's tail")
+                       help="tokens per chunk of kvtier's configurations (default 256; a multiple of the engine's "
+                            "block size: 128 on vLLM's CPU build, 16 on GPUs): smaller chunks recompute less of "
+                            "a resumed prompt's tail, in more files")
     suite.add_argument("--kvtier-setting", action="append", default=[], metavar="KEY=VALUE",
                        help="one more setting of kvtier's configurations (repeatable; VALUE read as YAML), "
                             "e.g. load_mode=sync or io_threads=4; recorded in env.json")
