@@ -90,7 +90,7 @@ class Profile:
             out["ranks"] = len({t.rank for t in self.loads})
             out["wait_steps"] = self.wait_steps
             ready = reported
-        if self.loads and self.scheduled is not None and ready > self.scheduled:
+        if self.loads and ready is not None and self.scheduled is not None and ready > self.scheduled:
             span("prefill_s", ready, self.prefilled)  # a sync load: read within the prefill's own step
         else:
             span("schedule_s", ready, self.scheduled)
