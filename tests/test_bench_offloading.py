@@ -186,7 +186,10 @@ def test_more_kvtier_settings_reach_its_configurations_and_bad_ones_are_refused_
     assert settings["load_mode"] == "sync" and settings["pool_url"].startswith("fs://")
     for bad, why in (("load_mode", "expected KEY=VALUE"), ("no_such=1", "unknown kvtier setting 'no_such'"),
                      ("pool_url=fs:///elsewhere", "pool_url is set by the suite itself"),
-                     ("chunk_size=128", "use --chunk-tokens"), ("io_threads=[", "not a YAML value")):
+                     ("chunk_size=128", "use --chunk-tokens"), ("remote_url=fs:///x", "remote_url is set by the suite"),
+                     ("max_local_cpu_size=2", "max_local_cpu_size is set by the suite"),
+                     ("metrics_file=/tmp/m", "metrics_file is set by the suite"),
+                     ("io_threads=[", "not a YAML value")):
         assert main(["bench", "suite", "--out", str(tmp_path / "o"), "--kvtier-setting", bad]) != 0
         assert why in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -307,10 +307,12 @@ def load_settings(source: str | os.PathLike[str] | Mapping[str, Any] | None,
     return _build(settings)
 
 
-def known_setting(name: str) -> bool:
-    """Whether ``name`` is a store setting ``load_settings`` takes (aliases included)."""
-    return (_ALIASES.get(name, name) in {f.name for f in fields(StoreConfig)} or name in _LAYOUT_KEYS
-            or name in _GB_ALIASES)
+def setting_name(name: str) -> str | None:
+    """The canonical name of the store setting ``name`` (an alias such as ``chunk_size`` or
+    ``max_local_cpu_size`` gives ``chunk_tokens`` / ``host_bytes``), or None when
+    ``load_settings`` does not take it."""
+    canonical = _GB_ALIASES.get(name) or _ALIASES.get(name, name)
+    return canonical if canonical in {f.name for f in fields(StoreConfig)} or canonical in _LAYOUT_KEYS else None
 
 
 def _canonical(layer: Mapping[str, Any]) -> dict[str, Any]:

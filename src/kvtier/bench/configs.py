@@ -73,10 +73,9 @@ def presets(name: str, out: Path) -> SuiteSpec:
     raise ValueError(f"preset: {name!r}; use one of {', '.join(PRESETS)}")
 
 
-# The settings the suite gives kvtier's configurations itself: where their storage and their
-# records go, and the sizes every configuration shares.
-SUITE_OWNED = ("pool_url", "remote_url", "disk_path", "local_disk", "pool_bytes", "disk_bytes", "host_bytes",
-               "max_local_cpu_size", "max_local_disk_size", "chunk_tokens", "chunk_size", "metrics_file",
+# The settings the suite gives kvtier's configurations itself (canonical names; their aliases
+# are refused too): where their storage and their records go, and the sizes they share.
+SUITE_OWNED = ("pool_url", "disk_path", "pool_bytes", "disk_bytes", "host_bytes", "chunk_tokens", "metrics_file",
                "profile_file", "config")
 
 
@@ -86,16 +85,17 @@ def kvtier_setting(text: str) -> tuple[str, Any]:
     the suite sets itself (``SUITE_OWNED``; the chunk size has ``--chunk-tokens``)."""
     import yaml
 
-    from kvtier.config import StoreConfig, known_setting
+    from kvtier.config import StoreConfig, setting_name
 
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"--kvtier-setting: expected KEY=VALUE (e.g. load_mode=sync), got {text!r}")
-    if key in SUITE_OWNED:
+    name = setting_name(key) or (key if key in (*CONNECTOR_KEYS, *SUITE_OWNED) else None)
+    if name in SUITE_OWNED:
         raise ValueError(f"--kvtier-setting: {key} is set by the suite itself"
-                         + (" (use --chunk-tokens)" if key in ("chunk_tokens", "chunk_size") else ""))
-    if not known_setting(key) and key not in CONNECTOR_KEYS:
+                         + (" (use --chunk-tokens)" if name == "chunk_tokens" else ""))
+    if name is None:
         names = sorted({f.name for f in fields(StoreConfig)} | set(CONNECTOR_KEYS))
         raise ValueError(f"--kvtier-setting: unknown kvtier setting {key!r}; known: {', '.join(names)}")
     try:
@@ -105,7 +105,8 @@ def kvtier_setting(text: str) -> tuple[str, Any]:
     return key, value
 
 
-# The vLLM connector's own settings (integrations/vllm/config.ConnectorConfig.KEYS, which needs
-# torch to import); tests/test_bench_offloading.py holds the two lists equal.
+# The vLLM connector's own settings that a suite run may set: ConnectorConfig.KEYS less the
+# suite's and the tests' own. A copy because importing kvtier.integrations.vllm imports vLLM;
+# tests/test_bench_offloading.py holds the two equal.
 CONNECTOR_KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
                   "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks")
