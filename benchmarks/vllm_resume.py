@@ -103,6 +103,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--skip-example", action="store_true", help="leave out vLLM's ExampleConnector peer")
     ap.add_argument("--warmup", action="store_true",
                     help="every process serves one short new prompt first, left out of the figures")
+    ap.add_argument("--profile", action="store_true",
+                    help="write kvtier's resume profile (connector setting profile_file) for both resumes and "
+                         "put its medians (ms) in the summary: where the time over the floor goes")
     ap.add_argument("--out", type=Path, default=None)
     return ap.parse_args()
 
@@ -125,21 +128,44 @@ def _steps(args: argparse.Namespace, model: Path, tmp: Path, sessions: list[list
     on_sessions = {"prompts": [*sessions, warm], **plan(args.sessions)}
     on_fresh = {"prompts": [*fresh, warm], **plan(args.sessions)}
     example = {"connector": "example", "extra": {"shared_storage_path": str(tmp / "example")}}
+    def profiled(name: str, extra: dict[str, Any]) -> dict[str, Any]:
+        return {**extra, "profile_file": str(tmp / f"{name}.profile.jsonl")} if args.profile else extra
+
     steps = [
         ("floor", {**base, "connector": None, "prompts": [*sessions, warm], **plan(args.sessions, again=True)}),
         ("plain", {**base, "connector": None, **on_fresh}),
         ("kvtier-never", {**base, "connector": "kvtier", **on_fresh,
                           "extra": {**kv_extra, "pool_url": f"fs://{tmp / 'unused'}", "load_policy": "never"}}),
         ("kvtier-populate", {**base, "connector": "kvtier", **on_sessions, "extra": kv_extra}),
-        ("kvtier-resume", {**base, "connector": "kvtier", **on_sessions, "extra": kv_extra}),
+        ("kvtier-resume", {**base, "connector": "kvtier", **on_sessions,
+                           "extra": profiled("kvtier-resume", kv_extra)}),
         ("kvtier-resume-sync", {**base, "connector": "kvtier", **on_sessions,
-                                "extra": {**kv_extra, "load_mode": "sync"}}),
+                                "extra": profiled("kvtier-resume-sync", {**kv_extra, "load_mode": "sync"})}),
         ("example-populate", {**base, **example, **on_sessions}),
         ("example-resume", {**base, **example, **on_sessions}),
     ]
     if args.skip_example:
         steps = [(name, spec) for name, spec in steps if not name.startswith("example")]
     return steps
+
+
+def profile_medians(path: Path, tokens: int) -> dict[str, float]:
+    """Median of each profile span (ms; ``wait_steps`` as is) over the loaded sessions in ``path``
+    (prompts of ``tokens`` tokens: the warm-up prompt is left out)."""
+    from kvtier.bench.profiles import PROFILE_FIELDS
+
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("load_tokens") and r.get("prompt_tokens") == tokens]
+    out: dict[str, float] = {"loaded_requests": len(rows)}
+    for key in PROFILE_FIELDS:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            scale = 1 if key == "wait_steps" else 1000
+            out[key.removesuffix("_s") + ("" if key == "wait_steps" else "_ms")] = round(
+                statistics.median(values) * scale, 2)
+    return out
 
 
 def _ratios(ttft: dict[str, float | None], read_s: float | None) -> dict[str, Any]:
@@ -220,6 +246,9 @@ def main() -> int:
                                "warmup": args.warmup, "tensor_parallel_size": args.tensor_parallel_size,
                                "ttft_median_s": ttft, **_ratios(ttft, read_s),
                                **_checks(args, results, model, pool, warm)}
+    if args.profile:
+        summary["profile"] = {name: profile_medians(tmp / f"{name}.profile.jsonl", args.tokens)
+                              for name in ("kvtier-resume", "kvtier-resume-sync")}
     summary["errors"] = {name: r["error"][-500:] for name, r in results.items() if "error" in r}
     print(json.dumps(summary, indent=2))
     if args.out:
