@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -465,6 +466,40 @@ def test_a_slow_lookup_answers_not_yet_then_gives_up_after_lookup_timeout_s(tmp_
     assert time.monotonic() - t0 < 0.1
     assert ask(role, req) == (0, False)
     assert 0.2 <= time.monotonic() - t0 < 1.0 and counters["lookup_timeouts"] == 1
+
+
+def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Any) -> None:
+    """While others run, the call that starts a lookup waits for it briefly (a local lookup
+    answers in that call: no engine step lost); later calls for a lookup still pending do not
+    (a slow pool's pending lookups must not add up to a stalled step)."""
+    from kvtier.integrations.vllm import scheduler as scheduler_module
+
+    waits: list[float] = []
+    real_wait = scheduler_module.cf.wait
+
+    def spy(fs: Any, timeout: float | None = None, **kw: Any) -> Any:
+        waits.append(timeout or 0.0)
+        return real_wait(fs, timeout=timeout, **kw)
+
+    monkeypatch.setattr(scheduler_module.cf, "wait", spy)
+    role, _ = make_scheduler()
+    role.build_connector_meta(output(scheduled={"other": 1}))  # another request decodes: busy
+    req = request("b", list(range(7500, 7500 + 3 * CHUNK + 1)))
+    held(role, req, 3)
+    role.locate = lambda state, first=0: (time.sleep(0.0002), ["host"] * 3)[1]  # type: ignore[method-assign]
+    assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)  # answered in the first call
+    assert waits == [scheduler_module.LOOKUP_BUSY_WAIT_S]
+
+    slow = request("s", list(range(8500, 8500 + 3 * CHUNK + 1)))
+    release = threading.Event()
+    role.locate = lambda state, first=0: (release.wait(5), [])[1]  # type: ignore[method-assign]
+    waits.clear()
+    assert role.get_num_new_matched_tokens(slow, 0) == (None, False)
+    assert role.get_num_new_matched_tokens(slow, 0) == (None, False)
+    assert waits == [scheduler_module.LOOKUP_BUSY_WAIT_S]  # the second call did not wait
+    release.set()
+    assert ask(role, slow) == (0, False)
 
 
 def test_the_lookup_starts_after_vllms_own_hit_and_is_cached_across_attempts() -> None:
