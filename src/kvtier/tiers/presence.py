@@ -24,9 +24,10 @@ from kvtier.keys import ChunkId, ChunkKey
 from kvtier.threads import ThreadInit, executor
 
 MAX_ABSENT = 1 << 16  # keys a pool remembers as absent (parallel_lookups)
-SERIAL_STAT_S = 200e-6
+SERIAL_STAT_S = 50e-6
 """A stat answered within this is local (or the client's cache): the next one runs on the
-caller's thread too. The first slower one sends the rest of the lookup to the stat threads."""
+caller's thread too. The first slower one sends the rest of the lookup to the stat threads.
+(Measured here: a local stat about 5 us with Python's overhead; GlusterFS 150-200 us.)"""
 
 StatSize = Callable[[ChunkKey], "int | None"]
 """A chunk file's size, or None when it is absent."""
