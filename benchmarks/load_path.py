@@ -1,0 +1,137 @@
+"""Benchmark: where a warm load of one session's chunk files goes, step by step, in one run.
+
+A resume of an 8k-token session of the tiny model reads 64 files of 256 KiB from the page cache
+(32 chunks x 2 KV-head shards). The resume profile (``vllm_resume.py --profile``) puts that
+load at about 21 ms; one thread reading the same files with no checks takes about 3 ms. This
+splits the difference, every figure a median over ``--repeats`` in the same process:
+
+* ``raw``: one thread, ``os.readv`` of each whole file into one buffer (no checks);
+* ``tier_serial``: the pool tier's own ``load`` of each chunk in one thread (open, size and
+  page-cache checks, read, header and checksum validation, the LRU touch);
+* ``store_noop``: ``TieredStore.load_into`` as the connector calls it (``promote=False``),
+  with a sink that copies nothing: the reader's hand-off to its I/O threads and back;
+* ``store_copy``: the same with a sink that copies each chunk into a tensor (the scatter
+  into vLLM's blocks stands in as one contiguous copy).
+
+    python benchmarks/load_path.py --dir /var/tmp/load-path --chunks 32 --shards 2 --io-threads 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier import KVLayout, StoreConfig, TieredStore
+from kvtier.tiers.base import aligned_buffer
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up: thread start, first allocations
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path, required=True, help="a directory on the device to measure (emptied)")
+    ap.add_argument("--chunks", type=int, default=32, help="chunks of 256 tokens (default 32: an 8k prompt)")
+    ap.add_argument("--shards", type=int, default=2, help="KV heads, one file each per chunk (default 2)")
+    ap.add_argument("--io-threads", default="1,2,4", help="io_threads values to measure, comma-separated")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=None)
+    return ap.parse_args()
+
+
+def _populate(store: TieredStore, ids: list[Any], root: Path) -> list[Path]:
+    """Write every chunk to the pool now; return its files (page cache warm from the writes)."""
+    kv = torch.randn(4, 2, len(ids) * 256, 1, 64).to(torch.bfloat16)
+    for i, cid in enumerate(ids):
+        assert store.put_chunk_now(cid, kv[:, :, i * 256:(i + 1) * 256])
+    files = sorted(root.rglob("*.kvt"))
+    assert len(files) == len(ids), (len(files), len(ids))
+    return files
+
+
+def _raw(files: list[Path], repeats: int) -> float:
+    buf = aligned_buffer(files[0].stat().st_size)
+
+    def run() -> None:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.readv(fd, [buf])
+            finally:
+                os.close(fd)
+
+    return _median_ms(run, repeats)
+
+
+def _tier_serial(store: TieredStore, ids: list[Any], repeats: int) -> float:
+    pool = next(t for t in store.tiers if t.name == "pool")
+    spec = store._spec(store._namespace(None))  # the spec load_into builds
+    into = aligned_buffer(spec.file_bytes)
+
+    def run() -> None:
+        for cid in ids:
+            assert pool.load(cid, spec, into).ok
+
+    return _median_ms(run, repeats)
+
+
+def _store(store: TieredStore, ids: list[Any], sink: Callable[[int, torch.Tensor], None], repeats: int) -> float:
+    def run() -> None:
+        got = store.load_into(ids, sink, promote=False)
+        assert got.num_chunks == len(ids), got
+
+    return _median_ms(run, repeats)
+
+
+def main() -> int:
+    args = _args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    # The tiny test model's layout, one KV head per file: what one head shard of a chunk holds.
+    layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16)
+    tokens = list(range(args.chunks * args.shards * 256))  # one "chunk" per shard file
+    results: dict[str, Any] = {"files": args.chunks * args.shards, "repeats": args.repeats}
+    for threads in [int(x) for x in args.io_threads.split(",")]:
+        config = StoreConfig(model_id="load-path", layout=layout, chunk_tokens=256, host_bytes=0,
+                             pool_url=f"fs://{args.dir / 'pool'}", io_threads=threads)
+        store = TieredStore(config)
+        try:
+            ids = list(store.chunk_ids(tokens))
+            if "raw_ms" not in results:
+                files = _populate(store, ids, args.dir / "pool")
+                results["raw_ms"] = _raw(files, args.repeats)
+                results["tier_serial_ms"] = _tier_serial(store, ids, args.repeats)
+            dst = torch.empty(len(ids), 4, 2, 256, 64, dtype=torch.bfloat16)
+            results[f"store_noop_ms_io{threads}"] = _store(store, ids, lambda i, d: None, args.repeats)
+            results[f"store_copy_ms_io{threads}"] = _store(
+                store, ids, lambda i, d, dst=dst: dst[i].copy_(d.view(4, 2, 256, 64)), args.repeats)
+        finally:
+            store.close()
+        print(json.dumps(results), file=sys.stderr, flush=True)
+    print(json.dumps(results, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
