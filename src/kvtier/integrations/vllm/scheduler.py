@@ -215,9 +215,9 @@ class SchedulerRole:
         state.saved_chunks = max(state.saved_chunks, first)
         if self.connector_config.load_policy == "never" or self.disabled or not state.chunk_ids:
             return 0, False
-        lookup = state.lookup
-        fresh = lookup is None or lookup.first > first
-        if lookup is None or lookup.first > first:  # (spelled out: mypy narrows ``lookup`` here)
+        lookup, fresh = state.lookup, False
+        if lookup is None or lookup.first > first:
+            fresh = True
             future = self._lookups.submit(self.locate, state, first)
             lookup = state.lookup = PendingLookup(first, time.monotonic(), future)
             if state.profile is not None:
