@@ -272,11 +272,14 @@ def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
         result = store.load_into(store.chunk_ids(tokens), lambda i, data: calls.append(i))
         assert time.monotonic() - t0 < 2.0
         assert result.num_chunks == 0 and pool.metrics.snapshot().timeouts == 1
-        faulty.wake()  # the four abandoned reads finish now and find the gate shut
+        # The read in flight (chunk 0's: a tier's queue stays on one thread until a read
+        # completes slowly) finishes now and finds the gate shut; the chunks queued behind it
+        # were dropped when the load returned.
+        faulty.wake()
         deadline = time.monotonic() + 5
-        while faulty.inner.metrics.snapshot().bytes_read < 4 * tiny.payload_bytes and time.monotonic() < deadline:
+        while faulty.inner.metrics.snapshot().bytes_read < tiny.payload_bytes and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert pool.metrics.snapshot().bytes_read >= 4 * tiny.payload_bytes  # the reads did complete
+        assert pool.metrics.snapshot().bytes_read >= tiny.payload_bytes  # the read did complete
         time.sleep(0.1)
         assert calls == []
     finally:

@@ -1,0 +1,109 @@
+"""kvtier.reader: which I/O threads read a prefix, and how torch runs on kvtier's threads.
+
+Warm reads stay on one I/O thread (more threads only hand the GIL around); the first slow read
+calls up the tier's other threads so that reads overlap. Every kvtier thread runs torch's CPU
+ops on itself alone, without changing the engine's thread count.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvtier.reader as reader
+from kvtier.libc import openmp
+from kvtier.threads import executor, thread
+from kvtier.tiers.faulty import FaultyTier
+
+C = 16  # the tiny model's chunk tokens
+
+
+def _load_threads(store, tokens) -> tuple[int, set[str]]:
+    names: set[str] = set()
+    lock = threading.Lock()
+
+    def sink(i: int, data: torch.Tensor) -> None:
+        with lock:
+            names.add(threading.current_thread().name)
+
+    got = store.load_into(store.chunk_ids(tokens), sink, promote=False)
+    return got.num_chunks, names
+
+
+def test_fast_reads_stay_on_one_io_thread(make_store, tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "FAST_READ_S", 5.0)  # every read "fast", however loaded the machine
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=4)
+    tokens = tiny.tokens(C * 12, seed=3)
+    store.put(tokens, tiny.kv(C * 12, seed=3))
+    store.flush()
+    for _ in range(3):
+        n, names = _load_threads(store, tokens)
+        assert n == 12
+        assert len(names) == 1 and next(iter(names)).startswith("kvtier-io-pool")
+
+
+def test_a_slow_read_calls_up_the_other_io_threads(make_store, tiny, tmp_path):
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=4)
+    tokens = tiny.tokens(C * 12, seed=4)
+    store.put(tokens, tiny.kv(C * 12, seed=4))
+    store.flush()
+    # Every read 50 ms (FAST_READ_S is 0.5 ms): after the first, the reads spread.
+    store.tiers = [FaultyTier(t, delay_prob=1.0, min_delay_s=0.05, max_delay_s=0.05, ops=("load",))
+                   for t in store.tiers]
+    t0 = time.monotonic()
+    n, names = _load_threads(store, tokens)
+    elapsed = time.monotonic() - t0
+    assert n == 12
+    assert len(names) >= 2, names
+    assert elapsed < 12 * 0.05, elapsed  # in one thread: 0.6 s at least
+
+
+def test_chunks_after_the_end_of_a_prefix_are_never_read(make_store, tiny, tmp_path, monkeypatch):
+    """A chunk gone from every tier ends the prefix; the queue's later chunks are dropped, not read."""
+    monkeypatch.setattr(reader, "FAST_READ_S", 5.0)
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=8)
+    tokens = tiny.tokens(C * 40, seed=5)
+    store.put(tokens, tiny.kv(C * 40, seed=5))
+    store.flush()
+    ids = store.chunk_ids(tokens)
+    pool = store.tiers[0]
+    before = pool.metrics.snapshot()
+    # Chunk 1's file removed after the lookup found it: the load learns it only from the read.
+    located = ("pool",) * 40
+    (tmp_file,) = [p for p in (tmp_path / "pool").rglob("*.kvt") if ids[1].key.hex() in p.name]
+    tmp_file.unlink()
+    slow = FaultyTier(pool, delay_prob=1.0, min_delay_s=0.01, max_delay_s=0.01, ops=("load",))
+    store.tiers = [slow]
+    calls: list[int] = []
+    got = store.load_into(ids, lambda i, data: calls.append(i), promote=False, tiers=located)
+    assert got.num_chunks == 1
+    time.sleep(0.2)  # any read still queued would run by now
+    # One thread reads in order: chunk 0, the miss of chunk 1, maybe one more; never all 40.
+    reads = slow.injected()["load"]["calls"]
+    assert 2 <= reads <= 4, reads
+    assert set(calls) <= {0, 2, 3}
+    assert pool.metrics.snapshot().timeouts == before.timeouts
+
+
+@pytest.mark.skipif(openmp() is None, reason="torch has no OpenMP runtime here")
+def test_kvtier_threads_run_torch_on_one_cpu_thread_and_leave_the_engines_count_alone():
+    main = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def record(key: str) -> None:
+        torch.ones(4).add_(1)
+        seen[key] = torch.get_num_threads()
+
+    t = thread(lambda: record("thread"), "kvtier-test")
+    t.start()
+    t.join()
+    with executor(2, "kvtier-test-pool") as pool:
+        pool.submit(record, "executor").result()
+    later = threading.Thread(target=record, args=("engine's later thread",))  # not kvtier's
+    later.start()
+    later.join()
+    assert seen == {"thread": 1, "executor": 1, "engine's later thread": main}
+    assert torch.get_num_threads() == main
