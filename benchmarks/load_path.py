@@ -11,9 +11,11 @@ splits the difference, every figure a median over ``--repeats`` in the same proc
 * ``store_noop``: ``TieredStore.load_into`` as the connector calls it (``promote=False``),
   with a sink that copies nothing: the reader's hand-off to its I/O threads and back;
 * ``store_copy``: the same with a sink that copies each chunk into a tensor (the scatter
-  into vLLM's blocks stands in as one contiguous copy).
+  into vLLM's blocks stands in as one contiguous copy);
+* ``store_copy_cold`` (``--cold``): the same with the files dropped from the page cache first,
+  so that reads go to the device (and, slower than ``FAST_READ_S``, spread over the I/O threads).
 
-    python benchmarks/load_path.py --dir /var/tmp/load-path --chunks 32 --shards 2 --io-threads 1,2,4
+    python benchmarks/load_path.py --dir /var/tmp/load-path --chunks 32 --shards 2 --io-threads 1,2,4,8 --cold
 """
 
 from __future__ import annotations
@@ -35,14 +37,28 @@ from kvtier import KVLayout, StoreConfig, TieredStore
 from kvtier.tiers.base import aligned_buffer
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+def _median_ms(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> float:
+    """Median ms of ``fn`` over ``repeats`` after a warm-up; ``before`` runs untimed before each."""
     fn()  # warm-up: thread start, first allocations
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 3)
+
+
+def _evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (clean pages of our own files: no root needed)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _args() -> argparse.Namespace:
@@ -52,6 +68,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--shards", type=int, default=2, help="KV heads, one file each per chunk (default 2)")
     ap.add_argument("--io-threads", default="1,2,4", help="io_threads values to measure, comma-separated")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--cold", action="store_true",
+                    help="also time load_into with the files dropped from the page cache before each repeat "
+                         "(posix_fadvise DONTNEED: the pool reads them with O_DIRECT)")
     ap.add_argument("--out", type=Path, default=None)
     return ap.parse_args()
 
@@ -92,12 +111,13 @@ def _tier_serial(store: TieredStore, ids: list[Any], repeats: int) -> float:
     return _median_ms(run, repeats)
 
 
-def _store(store: TieredStore, ids: list[Any], sink: Callable[[int, torch.Tensor], None], repeats: int) -> float:
+def _store(store: TieredStore, ids: list[Any], sink: Callable[[int, torch.Tensor], None], repeats: int,
+           before: Callable[[], Any] | None = None) -> float:
     def run() -> None:
         got = store.load_into(ids, sink, promote=False)
         assert got.num_chunks == len(ids), got
 
-    return _median_ms(run, repeats)
+    return _median_ms(run, repeats, before)
 
 
 def main() -> int:
@@ -119,9 +139,16 @@ def main() -> int:
                 results["raw_ms"] = _raw(files, args.repeats)
                 results["tier_serial_ms"] = _tier_serial(store, ids, args.repeats)
             dst = torch.empty(len(ids), 4, 2, 256, 64, dtype=torch.bfloat16)
+
+            def copy(i: int, d: torch.Tensor, dst: torch.Tensor = dst) -> None:
+                dst[i].copy_(d.view(4, 2, 256, 64))
+
             results[f"store_noop_ms_io{threads}"] = _store(store, ids, lambda i, d: None, args.repeats)
-            results[f"store_copy_ms_io{threads}"] = _store(
-                store, ids, lambda i, d, dst=dst: dst[i].copy_(d.view(4, 2, 256, 64)), args.repeats)
+            results[f"store_copy_ms_io{threads}"] = _store(store, ids, copy, args.repeats)
+            if args.cold:
+                results[f"store_copy_cold_ms_io{threads}"] = _store(
+                    store, ids, copy, args.repeats, before=lambda files=files: _evict(files))
+                _raw(files, 1)  # warm again: the pool's O_DIRECT reads of cold files never fill the cache
         finally:
             store.close()
         print(json.dumps(results), file=sys.stderr, flush=True)

@@ -272,7 +272,7 @@ def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
         result = store.load_into(store.chunk_ids(tokens), lambda i, data: calls.append(i))
         assert time.monotonic() - t0 < 2.0
         assert result.num_chunks == 0 and pool.metrics.snapshot().timeouts == 1
-        # The read in flight (chunk 0's: a tier's queue stays on one thread until a read
+        # The read in flight (chunk 0's: a tier's queue stays on one thread until reads
         # completes slowly) finishes now and finds the gate shut; the chunks queued behind it
         # were dropped when the load returned.
         faulty.wake()

@@ -50,7 +50,7 @@ def test_a_slow_read_calls_up_the_other_io_threads(make_store, tiny, tmp_path):
     tokens = tiny.tokens(C * 12, seed=4)
     store.put(tokens, tiny.kv(C * 12, seed=4))
     store.flush()
-    # Every read 50 ms (FAST_READ_S is 0.5 ms): after the first, the reads spread.
+    # Every read 50 ms (FAST_READ_S is 0.5 ms): after the second (SLOW_READS), the reads spread.
     store.tiers = [FaultyTier(t, delay_prob=1.0, min_delay_s=0.05, max_delay_s=0.05, ops=("load",))
                    for t in store.tiers]
     t0 = time.monotonic()

@@ -6,9 +6,9 @@ Contracts (the store's module docstring has the caller's view):
 * Every chunk of a prefix that is not in host DRAM is queued at once to the I/O threads of the
   tier a lookup found it in (``io_threads`` per tier, started on first use); the I/O thread
   that read a chunk also hands it to the caller's sink. One thread takes a tier's queue in
-  order while each read takes under ``FAST_READ_S`` (the page cache: there, more threads only
-  hand the GIL around); the first slower read calls up the tier's other threads, so reads of
-  a cold device or a network filesystem overlap. Chunks in host DRAM are lent in place on the
+  order while its reads take under ``FAST_READ_S`` (the page cache: there, more threads only
+  hand the GIL around); the ``SLOW_READS``-th slower read calls up the tier's other threads,
+  so reads of a cold device or a network filesystem overlap. Chunks in host DRAM are lent in place on the
   caller's thread.
 * Chunks are taken in order; a chunk gone from its tier (missing, corrupt, unreadable) is read
   from each usable tier below in turn, again on that tier's threads. A read slower than
@@ -53,10 +53,14 @@ Sink = Callable[[int, torch.Tensor], None]
 
 STOP_POLL_S = 0.02  # how often a stoppable load checks its stop event while a read runs
 FAST_READ_S = 0.5e-3
-"""A chunk read within this (with its checks and the hand-off to the sink) keeps a tier's queue
-on one I/O thread; the first slower one calls up the tier's other threads. Measured on a
-2-core machine, a warm 8k load of 64 files of 256 KiB: 9.6 ms on one I/O thread, 13-21 ms
-spread over 2-4 (each read from the page cache is about 80 us, a GIL hand-off tens of us)."""
+"""A chunk read within this (with its checks and the hand-off to the sink) counts as fast;
+a tier's queue stays on one I/O thread until ``SLOW_READS`` reads were slower. Measured on a
+2-core machine, a warm 8k load of 64 files of 256 KiB: 9-11 ms on one I/O thread, 13-25 ms
+spread over 2-8 (each read from the page cache takes about 80 us, a GIL hand-off tens of us);
+with 0.2 ms, scheduling jitter spread warm loads too (13-21 ms)."""
+SLOW_READS = 2
+"""Slow reads before a tier's other threads are called up: two, so that one read delayed by the
+scheduler (the engine's threads share the cores) does not spread a warm load."""
 
 
 class _Gone(Exception):
@@ -214,13 +218,13 @@ class PrefixReader:
 
     def _queue(self, load: _Load, queue: _Queue, tier: Tier) -> None:
         """Read ``queue``'s chunks from ``tier`` on its I/O threads, each result set on its future
-        (cancelled futures are skipped): one thread, until a read is slow (``FAST_READ_S``)."""
-        task = self._pool(tier).submit(self._drain, load, queue, tier, True)
+        (cancelled futures are skipped): one thread, until reads are slow (``FAST_READ_S``)."""
+        task = self._pool(tier).submit(self._drain, load, queue, tier, SLOW_READS)
         task.add_done_callback(partial(_cancel_if_cancelled, queue))
 
-    def _drain(self, load: _Load, queue: _Queue, tier: Tier, first: bool) -> None:
-        """On an I/O thread: take chunks from ``queue`` until it is empty. The ``first`` thread
-        calls up ``io_threads - 1`` more after its first slow read."""
+    def _drain(self, load: _Load, queue: _Queue, tier: Tier, slow_reads: int) -> None:
+        """On an I/O thread: take chunks from ``queue`` until it is empty. After ``slow_reads``
+        slow ones, this thread calls up ``io_threads - 1`` more (0: it never does)."""
         while True:
             try:
                 index, fut = queue.popleft()  # deque: atomic, shared with the threads called up
@@ -233,11 +237,13 @@ class PrefixReader:
                 fut.set_result(self._deliver(load, index, tier))
             except BaseException as e:  # _Gone, or a tier's or the sink's bug: the caller decides
                 fut.set_exception(e)
-            if first and queue and time.perf_counter() - t0 > FAST_READ_S:
-                first = False
+            if slow_reads and queue and time.perf_counter() - t0 > FAST_READ_S:
+                slow_reads -= 1
+                if slow_reads:
+                    continue
                 try:
                     for _ in range(self._io_threads - 1):
-                        self._pool(tier).submit(self._drain, load, queue, tier, False)
+                        self._pool(tier).submit(self._drain, load, queue, tier, 0)
                 except RuntimeError:  # the reader was closed: this thread goes on alone
                     pass
 
