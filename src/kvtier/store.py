@@ -6,8 +6,9 @@ Contracts:
   and pool; it never waits for I/O (a full queue drops the write and counts it).
 * ``lookup`` returns the longest contiguous prefix of full chunks held in any tier; it does
   file-system metadata calls for the pool, never data reads.
-* ``load_into`` reads a prefix with up to ``io_threads`` reads in flight per tier and hands each
-  chunk to the caller's sink as it arrives. A chunk that turns out missing, corrupt, unreadable
+* ``load_into`` reads a prefix on each tier's I/O threads (one while reads are fast, up to
+  ``io_threads`` once they are slow: ``reader.py``) and hands each chunk to the caller's sink
+  as it arrives. A chunk that turns out missing, corrupt, unreadable
   or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
   are never returned. Every read, a fallback to a lower tier included, runs on that tier's own
   I/O threads under ``read_timeout_s``: reads stuck in a hung tier never hold the threads of
@@ -253,11 +254,12 @@ class TieredStore:
     def load_into(self, ids: Sequence[ChunkId], sink: Sink, *,
                   tenant_salt: str | None = None, promote: bool = True,
                   stop: threading.Event | None = None, tiers: Sequence[str] | None = None) -> PrefixLoad:
-        """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading in parallel.
+        """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading on the I/O threads.
 
         This is the fast path for callers that copy chunks somewhere (an output tensor, an
         engine's paged KV blocks): disk and pool chunks are read and handed over by the I/O
-        threads themselves, so reads and copies of different chunks run at once. ``sink`` may
+        threads themselves, so reads and copies of different chunks run at once once reads are
+        slow enough for that to pay (``reader.FAST_READ_S``). ``sink`` may
         be called concurrently and in any order; ``data`` is valid only during the call.
         Returns the number of leading chunks delivered; a chunk after the first failure may
         have been handed over too and must be ignored. ``sink`` is never called after this

@@ -7,8 +7,9 @@ Contracts (sglang 0.5.23's ``HiCacheStorage``, as its ``HiCacheController`` call
   count), and a write that did not land is ``False``. Wrong bytes never reach the host pool:
   every page is checked (header, identity, layout, payload checksum) before it is copied.
 * ``batch_exists`` is the number of leading keys held (file-system metadata only);
-  ``batch_get_v1`` / ``batch_get`` read the leading run of pages in parallel (``io_threads`` per
-  tier) straight into the host pool; a page after the first miss is reported ``False``.
+  ``batch_get_v1`` / ``batch_get`` read the leading run of pages through ``load_into`` (in parallel,
+  ``io_threads`` per tier, once reads are slow) straight into the host pool; a page after the
+  first miss is reported ``False``.
 * ``batch_set_v1`` / ``batch_set`` write a batch's pages in parallel (``io_threads``) to every
   tier while SGLang's backup thread waits, returning only once the pages are there: nothing is
   queued or dropped, and a slow pool slows the backup instead of losing pages. A page already
