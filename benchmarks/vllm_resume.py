@@ -24,6 +24,14 @@ With ``--warmup`` every process serves one short new prompt first, left out of t
 
     python benchmarks/vllm_resume.py --tokens 8192 --sessions 3 --warmup --out docs/results/vllm_resume.json
 
+With ``--ab-src OTHER/src`` it compares two kvtier trees instead (before and after a change):
+the floor, one populate, then ``--ab-rounds`` pairs of fresh resumes on the same pool, this
+tree's and the other's alternating (which goes first alternates too), and the median of the
+per-pair TTFT ratios:
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/vllm_resume.py --tokens 8192 --sessions 5 --warmup --profile --ab-src /tmp/before/src
+
 With ``--tensor-parallel-size 2`` every engine runs tensor parallel (one core per rank on the
 CPU build); the target there (the connector's deployment issue) is a resume at least 5x faster
 than TP=2 recompute, with every rank's shard in the pool and outputs equal to recompute's.
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -45,13 +54,23 @@ from kvtier.bench.engines import EngineError
 from kvtier.bench.offline import run_engine
 
 
-def run(spec: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
-    """Results of one engine process, or ``{"error": ...}``: a failed peer is recorded, not fatal."""
+def run(spec: dict[str, Any], tmp: Path, name: str, src: Path | None = None) -> dict[str, Any]:
+    """Results of one engine process, or ``{"error": ...}``: a failed peer is recorded, not fatal.
+    ``src``: import kvtier from that source tree in the engine process instead."""
+    saved = os.environ.get("PYTHONPATH")
+    if src is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(src.resolve()), saved) if p)
     try:
         result: dict[str, Any] = run_engine(spec, tmp, name)
         return result
     except EngineError as exc:
         return {"error": str(exc)}
+    finally:
+        if src is not None:
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
 
 
 def median_ttft(result: dict[str, Any], tag: str | None = None) -> float | None:
@@ -106,6 +125,12 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help="write kvtier's resume profile (connector setting profile_file) for both resumes and "
                          "put its medians (ms) in the summary: where the time over the floor goes")
+    ap.add_argument("--ab-src", type=Path, default=None,
+                    help="A/B mode: another kvtier source tree (a checkout's src/, e.g. of the commit before a "
+                         "change); runs only the floor, one populate and --ab-rounds pairs of fresh resumes, this "
+                         "tree's and that one's alternating on the same pool, and reports the median of the "
+                         "per-round TTFT ratios (the machine's drift falls on both sides of each pair)")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="resume pairs in A/B mode (default 3)")
     ap.add_argument("--out", type=Path, default=None)
     return ap.parse_args()
 
@@ -146,7 +171,39 @@ def _steps(args: argparse.Namespace, model: Path, tmp: Path, sessions: list[list
     ]
     if args.skip_example:
         steps = [(name, spec) for name, spec in steps if not name.startswith("example")]
+    if args.ab_src is not None:
+        named = dict(steps)
+        steps = [("floor", named["floor"]), ("kvtier-populate", named["kvtier-populate"])]
+        for r in range(args.ab_rounds):
+            for side in ("a", "b") if r % 2 == 0 else ("b", "a"):  # neither side always goes first
+                name = f"kvtier-resume-{side}{r}"
+                steps.append((name, {**named["kvtier-resume"], "extra": profiled(name, kv_extra)}))
     return steps
+
+
+def ab_summary(args: argparse.Namespace, ttft: dict[str, float | None], tmp: Path) -> dict[str, Any]:
+    """A/B mode: each round's resume TTFT of this tree (a) and ``--ab-src`` (b), their ratio, the
+    median ratio, each side's median and its x of the floor, and each side's profile medians."""
+    rounds = []
+    for r in range(args.ab_rounds):
+        a, b = ttft.get(f"kvtier-resume-a{r}"), ttft.get(f"kvtier-resume-b{r}")
+        rounds.append({"a_s": a, "b_s": b, "a_over_b": a / b if a and b else None})
+    ratios = [x["a_over_b"] for x in rounds if x["a_over_b"] is not None]
+    out: dict[str, Any] = {"b_src": str(args.ab_src), "rounds": rounds,
+                           "median_a_over_b": statistics.median(ratios) if ratios else None}
+    floor = ttft.get("floor")
+    for side in ("a", "b"):
+        values = [x[f"{side}_s"] for x in rounds if x[f"{side}_s"] is not None]
+        if values:
+            out[f"median_{side}_s"] = statistics.median(values)
+            if floor:
+                out[f"median_{side}_x_floor"] = statistics.median(values) / floor
+        if args.profile:
+            rows = [profile_medians(tmp / f"kvtier-resume-{side}{r}.profile.jsonl", args.tokens)
+                    for r in range(args.ab_rounds)]
+            out[f"profile_{side}"] = {k: statistics.median(row[k] for row in rows if k in row)
+                                      for k in rows[0]} if rows and rows[0] else {}
+    return out
 
 
 def profile_medians(path: Path, tokens: int) -> dict[str, float]:
@@ -236,12 +293,20 @@ def main() -> int:
     read_s: float | None = None
     for name, spec in _steps(args, model, tmp, sessions, fresh, warm):
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        results[name] = run(spec, tmp, name)
+        results[name] = run(spec, tmp, name, args.ab_src if name.startswith("kvtier-resume-b") else None)
         print(f"  {name}: TTFT median {median_ttft(results[name])}", file=sys.stderr, flush=True)
         if name == "kvtier-resume" and "error" not in results[name]:
             read_s = statistics.median(raw_read_s(session_files(pool, session)) for session in sessions)
     ttft = {name: median_ttft(r) for name, r in results.items()}
     ttft["floor"] = median_ttft(results["floor"], "hit")  # its first pass is a plain prefill
+    if args.ab_src is not None:
+        ab = {"ttft_median_s": ttft, "ab": ab_summary(args, ttft, tmp),
+              "errors": {name: r["error"][-500:] for name, r in results.items() if "error" in r}}
+        print(json.dumps(ab, indent=2))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"summary": ab, "runs": results}, indent=2))
+        return 0
     summary: dict[str, Any] = {"tokens": args.tokens, "sessions": args.sessions, "io_threads": args.io_threads,
                                "warmup": args.warmup, "tensor_parallel_size": args.tensor_parallel_size,
                                "ttft_median_s": ttft, **_ratios(ttft, read_s),
