@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvtier import KVLayout, StoreConfig, TieredStore
+from kvtier.probe.fs import drop_cache
 from kvtier.tiers.base import aligned_buffer
 
 
@@ -50,15 +51,6 @@ def _median_ms(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | 
     return round(statistics.median(times) * 1e3, 3)
 
 
-def _evict(files: list[Path]) -> None:
-    """Drop the files' pages from the page cache (clean pages of our own files: no root needed)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _args() -> argparse.Namespace:
@@ -82,6 +74,7 @@ def _populate(store: TieredStore, ids: list[Any], root: Path) -> list[Path]:
         assert store.put_chunk_now(cid, kv[:, :, i * 256:(i + 1) * 256])
     files = sorted(root.rglob("*.kvt"))
     assert len(files) == len(ids), (len(files), len(ids))
+    os.sync()  # clean pages: --cold drops them from the page cache before each repeat (drop_cache)
     return files
 
 
@@ -147,7 +140,7 @@ def main() -> int:
             results[f"store_copy_ms_io{threads}"] = _store(store, ids, copy, args.repeats)
             if args.cold:
                 results[f"store_copy_cold_ms_io{threads}"] = _store(
-                    store, ids, copy, args.repeats, before=lambda files=files: _evict(files))
+                    store, ids, copy, args.repeats, before=lambda files=files: drop_cache(files))
                 _raw(files, 1)  # warm again: the pool's O_DIRECT reads of cold files never fill the cache
         finally:
             store.close()
