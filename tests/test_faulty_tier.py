@@ -273,7 +273,7 @@ def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
         assert time.monotonic() - t0 < 2.0
         assert result.num_chunks == 0 and pool.metrics.snapshot().timeouts == 1
         # The read in flight (chunk 0's: a tier's queue stays on one thread until reads
-        # completes slowly) finishes now and finds the gate shut; the chunks queued behind it
+        # complete slowly) finishes now and finds the gate shut; the chunks queued behind it
         # were dropped when the load returned.
         faulty.wake()
         deadline = time.monotonic() + 5

@@ -1,6 +1,6 @@
 """kvtier.reader: which I/O threads read a prefix, and how torch runs on kvtier's threads.
 
-Warm reads stay on one I/O thread (more threads only hand the GIL around); the first slow read
+Warm reads stay on one I/O thread (more threads only hand the GIL around); the second slow read
 calls up the tier's other threads so that reads overlap. Every kvtier thread runs torch's CPU
 ops on itself alone, without changing the engine's thread count.
 """

@@ -168,11 +168,17 @@ class PrefixReader:
                      _SinkGate())
         # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
         # I/O threads, each tier's chunks queued at once, in order.
-        futures: list[cf.Future[str | None] | None] = [
-            None if level is self.host else cf.Future() for level in located]
-        for tier in {id(level): level for level in located if level is not self.host}.values():
-            self._queue(load, deque((i, fut) for i, (fut, level) in enumerate(zip(futures, located, strict=True))
-                                    if level is tier and fut is not None), cast(Tier, tier))
+        futures: list[cf.Future[str | None] | None] = []
+        queues: dict[int, tuple[Tier, _Queue]] = {}  # by id(tier), in the order tiers first appear
+        for i, level in enumerate(located):
+            if level is self.host:
+                futures.append(None)
+                continue
+            read: cf.Future[str | None] = cf.Future()
+            futures.append(read)
+            queues.setdefault(id(level), (cast(Tier, level), deque()))[1].append((i, read))
+        for tier, queue in queues.values():
+            self._queue(load, queue, tier)
         names: list[str] = []
         try:
             for i, level in enumerate(located):
