@@ -98,6 +98,23 @@ def test_gather_then_scatter_moves_exact_pages(case: str) -> None:
             assert block_bytes(d, b) == old[b], b  # nothing else written, not even a neighbour
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_runs_of_consecutive_blocks_move_as_one_copy_and_land_exactly(case: str) -> None:
+    # The CPU path merges consecutive block ids into one copy per run: mixed spans, a skipped
+    # block between two spans and a span that goes backwards must still land page for page.
+    src_layers = CASES[case]()
+    src = PagedKV(src_layers, BLOCKS)
+    chunk = chunk_for(src, 6)
+    src.gather([2, 3, 4, 8, 9, 0], chunk)
+    dst_layers = CASES[case]()
+    before = [[block_bytes(t, b) for b in range(BLOCKS)] for t in dst_layers]
+    PagedKV(dst_layers, BLOCKS).scatter(chunk, [5, 6, 7, None, 1, 0])
+    moved = {5: 2, 6: 3, 7: 4, 1: 9, 0: 0}
+    for s, d, old in zip(src_layers, dst_layers, before, strict=True):
+        for b in range(BLOCKS):
+            assert block_bytes(d, b) == (block_bytes(s, moved[b]) if b in moved else old[b]), b
+
+
 @pytest.mark.parametrize("case", ["LBNHC", "BLHNC", "kv-major"])
 def test_runs_are_views_of_the_engines_storage_never_copies(case: str) -> None:
     layers = CASES[case]()
