@@ -238,7 +238,10 @@ class ChunkFiles:
         under its name: never followed, never waited on), OSError for I/O faults. Nothing is
         allocated or read before the file's size equals ``spec.file_bytes``.
         """
-        path = self._path_str(cid.key)
+        return self._read(self._path_str(cid.key), cid, spec, into)[0]
+
+    def _read(self, path: str, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None) -> tuple[Chunk, float]:
+        """``read``, also returning the file's mtime as its open descriptor saw it."""
         fd = self._open_read(path)
         try:
             st = os.fstat(fd)
@@ -263,7 +266,7 @@ class ChunkFiles:
         spec.decode(view, cid)
         dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
-        return Chunk(cid, data.view(dtype).view(spec.shape))
+        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime
 
     def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
              touch_interval_s: float) -> LoadResult:
@@ -274,8 +277,9 @@ class ChunkFiles:
         are ``failed_reads``. A hit refreshes the file's mtime (the LRU clock).
         """
         t0 = time.perf_counter()
+        path = self._path_str(cid.key)
         try:
-            got = self.read(cid, spec, into)
+            got, mtime = self._read(path, cid, spec, into)
         except OSError as exc:
             if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ESTALE:
                 metrics.add(failed_reads=1)
@@ -293,7 +297,8 @@ class ChunkFiles:
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
         metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
-        self.touch(cid.key, touch_interval_s)
+        if time.time() - mtime > touch_interval_s:  # the read's own fstat: no second stat per hit
+            _utime(path)
         return LoadResult(Status.HIT, got)
 
     def _open_read(self, path: str) -> int:
@@ -382,18 +387,6 @@ class ChunkFiles:
         except (OSError, OverflowError, ValueError):
             return False
 
-    def touch(self, key: ChunkKey, older_than_s: float) -> None:
-        """Mark a chunk recently used (mtime = now) unless it was marked in the last interval.
-
-        mtime, not atime: atime is often off (noatime/relatime) on shared filesystems.
-        """
-        path = self._path_str(key)
-        try:
-            if time.time() - os.stat(path).st_mtime > older_than_s:
-                os.utime(path)
-        except OSError:
-            pass
-
     def scan(self) -> Iterator[ChunkFile]:
         """Every published chunk file (never temp files), shard directory by shard directory.
 
@@ -417,6 +410,15 @@ class ChunkFiles:
     def temp_files(self) -> Iterator[tuple[Path, float]]:
         """Temp files (writes in progress or left by crashed writers) and their mtimes."""
         return listing.temp_files(self._root_str, self.shard_dirs())
+
+
+def _utime(path: str) -> None:
+    """Mark a chunk recently used: mtime = now (the LRU clock; mtime, not atime, which is often
+    off on shared filesystems). Best effort: a file gone or read-only meanwhile stays as it is."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:
