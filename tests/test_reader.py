@@ -1,12 +1,15 @@
 """kvtier.reader: which I/O threads read a prefix, and how torch runs on kvtier's threads.
 
-Warm reads stay on one I/O thread (more threads only hand the GIL around); the second slow read
-calls up the tier's other threads so that reads overlap. Every kvtier thread runs torch's CPU
+Warm reads stay on one I/O thread (more threads only hand the GIL around), slow ones too when the
+page cache served them; the second slow read of the device calls up the tier's other threads so
+that reads overlap. Every kvtier thread runs torch's CPU
 ops on itself alone, without changing the engine's thread count.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 
@@ -17,6 +20,7 @@ import kvtier.reader as reader
 from kvtier.libc import openmp
 from kvtier.threads import executor, thread
 from kvtier.tiers.faulty import FaultyTier
+from kvtier.tiers.pagecache import cached_bytes
 
 C = 16  # the tiny model's chunk tokens
 
@@ -59,6 +63,57 @@ def test_a_slow_read_calls_up_the_other_io_threads(make_store, tiny, tmp_path):
     assert n == 12
     assert len(names) >= 2, names
     assert elapsed < 12 * 0.05, elapsed  # in one thread: 0.6 s at least
+
+
+class _SlowCPU:
+    """A tier whose reads the page cache serves but which take 5 ms each: a machine whose cores
+    are busy (the engine's threads), not a slow device."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, cid, spec, into=None):
+        time.sleep(0.005)
+        return dataclasses.replace(self.inner.load(cid, spec, into), from_cache=True)
+
+
+def test_slow_reads_from_the_page_cache_stay_on_one_io_thread(make_store, tiny, tmp_path):
+    # More threads cannot make a read the page cache serves faster; on a busy machine they only
+    # add runnable threads. The same 5 ms reads, reported as device reads, spread (below).
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=4)
+    tokens = tiny.tokens(C * 12, seed=6)
+    store.put(tokens, tiny.kv(C * 12, seed=6))
+    store.flush()
+    pool = store.tiers[0]
+    store.tiers = [_SlowCPU(pool)]
+    n, names = _load_threads(store, tokens)
+    assert n == 12
+    assert len(names) == 1, names
+    store.tiers = [FaultyTier(pool, delay_prob=1.0, min_delay_s=0.005, max_delay_s=0.005, ops=("load",))]
+    n, names = _load_threads(store, tokens)
+    assert n == 12
+    assert len(names) >= 2, names
+
+
+def test_the_file_tier_says_when_the_page_cache_served_a_read(make_store, tiny, tmp_path):
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    tokens = tiny.tokens(C * 2, seed=7)
+    store.put(tokens, tiny.kv(C * 2, seed=7))
+    store.flush()
+    (path,) = list((tmp_path / "pool").rglob("*.kvt"))[:1]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cached_bytes(fd) is None:
+            pytest.skip("the kernel has no cachestat (Linux < 6.5): reads never claim the page cache")
+    finally:
+        os.close(fd)
+    pool = store.tiers[0]
+    spec = store._spec(store._namespace(None))
+    got = [pool.load(cid, spec) for cid in store.chunk_ids(tokens)]
+    assert all(r.ok and r.from_cache for r in got)  # just written: every page in the cache
 
 
 def test_chunks_after_the_end_of_a_prefix_are_never_read(make_store, tiny, tmp_path, monkeypatch):

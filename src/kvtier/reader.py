@@ -6,9 +6,10 @@ Contracts (the store's module docstring has the caller's view):
 * Every chunk of a prefix that is not in host DRAM is queued at once to the I/O threads of the
   tier a lookup found it in (``io_threads`` per tier, started on first use); the I/O thread
   that read a chunk also hands it to the caller's sink. One thread takes a tier's queue in
-  order while its reads take under ``FAST_READ_S`` (the page cache: there, more threads only
-  hand the GIL around); the ``SLOW_READS``-th slower read calls up the tier's other threads,
-  so reads of a cold device or a network filesystem overlap. Chunks in host DRAM are lent in place on the
+  order while its reads take under ``FAST_READ_S`` or come from the page cache (there, more
+  threads only hand the GIL around, and a read that took long waited for a CPU); the
+  ``SLOW_READS``-th slower read of the device calls up the tier's other threads, so reads of a
+  cold device or a network filesystem overlap. Chunks in host DRAM are lent in place on the
   caller's thread.
 * Chunks are taken in order; a chunk gone from its tier (missing, corrupt, unreadable) is read
   from each usable tier below in turn, again on that tier's threads. A read slower than
@@ -60,7 +61,10 @@ spread over 2-8 (each read from the page cache takes about 80 us, a GIL hand-off
 with 0.2 ms, scheduling jitter spread warm loads too (13-21 ms)."""
 SLOW_READS = 2
 """Slow reads before a tier's other threads are called up: two, so that one read delayed by the
-scheduler (the engine's threads share the cores) does not spread a warm load."""
+scheduler (the engine's threads share the cores) does not spread a load. Reads the page cache
+served (``LoadResult.from_cache``) never count, however long they took: in vLLM's process on
+2 cores they took 0.3 ms of CPU each and waited as long again for a core, and calling up a
+second thread only added a third runnable thread."""
 
 
 class _Gone(Exception):
@@ -72,6 +76,7 @@ class _Gone(Exception):
 class _Loaded:
     tier: str
     lease: Lease
+    from_cache: bool = False
 
 
 class _SinkGate:
@@ -115,7 +120,8 @@ class _SinkGate:
 class _Load:
     """One ``PrefixReader.load`` call, shared with the I/O threads that serve it.
 
-    ``read_s`` and ``copy_s`` have one entry per chunk, each written by one thread at a time.
+    ``read_s``, ``copy_s`` and ``from_cache`` have one entry per chunk, each written by one
+    thread at a time.
     """
 
     ids: Sequence[ChunkId]
@@ -127,6 +133,7 @@ class _Load:
     read_s: list[float]
     copy_s: list[float]
     gate: _SinkGate
+    from_cache: list[bool]
 
     def hand(self, index: int, data: torch.Tensor) -> None:
         """The caller's sink, timed into ``copy_s``."""
@@ -164,8 +171,8 @@ class PrefixReader:
              sink: Sink, *, promote: bool, stop: threading.Event | None) -> PrefixLoad:
         """Hand chunks ``ids[i]`` to ``sink`` from ``located[i]`` (host DRAM or a tier: where a
         lookup found them), falling back on the ``tiers`` below; what ``load_into`` returns."""
-        load = _Load(ids, list(tiers), spec, sink, promote, stop, [0.0] * len(located), [0.0] * len(located),
-                     _SinkGate())
+        n = len(located)
+        load = _Load(ids, list(tiers), spec, sink, promote, stop, [0.0] * n, [0.0] * n, _SinkGate(), [False] * n)
         # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
         # I/O threads, each tier's chunks queued at once, in order.
         futures: list[cf.Future[str | None] | None] = []
@@ -224,13 +231,13 @@ class PrefixReader:
 
     def _queue(self, load: _Load, queue: _Queue, tier: Tier) -> None:
         """Read ``queue``'s chunks from ``tier`` on its I/O threads, each result set on its future
-        (cancelled futures are skipped): one thread, until reads are slow (``FAST_READ_S``)."""
+        (cancelled futures are skipped): one thread, until device reads are slow (``FAST_READ_S``)."""
         task = self._pool(tier).submit(self._drain, load, queue, tier, SLOW_READS)
         task.add_done_callback(partial(_cancel_if_cancelled, queue))
 
     def _drain(self, load: _Load, queue: _Queue, tier: Tier, slow_reads: int) -> None:
         """On an I/O thread: take chunks from ``queue`` until it is empty. After ``slow_reads``
-        slow ones, this thread calls up ``io_threads - 1`` more (0: it never does)."""
+        slow device reads, this thread calls up ``io_threads - 1`` more (0: it never does)."""
         while True:
             try:
                 index, fut = queue.popleft()  # deque: atomic, shared with the threads called up
@@ -243,7 +250,7 @@ class PrefixReader:
                 fut.set_result(self._deliver(load, index, tier))
             except BaseException as e:  # _Gone, or a tier's or the sink's bug: the caller decides
                 fut.set_exception(e)
-            if slow_reads and queue and time.perf_counter() - t0 > FAST_READ_S:
+            if slow_reads and queue and time.perf_counter() - t0 > FAST_READ_S and not load.from_cache[index]:
                 slow_reads -= 1
                 if slow_reads:
                     continue
@@ -332,6 +339,7 @@ class PrefixReader:
         load.read_s[index] += time.perf_counter() - t0
         if got is None:
             raise _Gone
+        load.from_cache[index] = got.from_cache
         try:
             if not load.gate.enter():
                 return None  # the load returned without this chunk: its buffers are not ours
@@ -363,8 +371,8 @@ class PrefixReader:
             raise
         if result.ok and result.chunk is not None:
             if host is not None and slot is not None:
-                return _Loaded(tier.name, host.commit(slot, cid))
-            return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)))
+                return _Loaded(tier.name, host.commit(slot, cid), result.from_cache)
+            return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)), result.from_cache)
         give_back()
         if result.status is not Status.MISS:
             log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name, result.status.value, result.error)

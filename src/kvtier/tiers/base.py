@@ -57,6 +57,9 @@ class LoadResult:
     status: Status
     chunk: Chunk | None = None
     error: str = ""
+    from_cache: bool = False
+    """The bytes came from memory (the page cache), not the device: a read that was slow anyway
+    waited for a CPU, and more reader threads would not help it. False when unknown."""
 
     @property
     def ok(self) -> bool:

@@ -25,7 +25,7 @@ import os
 import random
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -99,14 +99,14 @@ class FaultyTier:
             counts.misses += miss
             return delay, error, miss
 
-    def _before(self, op: str) -> bool:
-        """Sleep and/or raise OSError as decided; return whether to report a miss."""
+    def _before(self, op: str) -> tuple[bool, bool]:
+        """Sleep and/or raise OSError as decided; return (report a miss, slept)."""
         delay, error, miss = self._decide(op)
         if delay and not self._wake.is_set():
             self._wake.wait(delay)
         if error:
             raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected by FaultyTier before {op})")
-        return miss
+        return miss, delay > 0
 
     # -- tier protocol ----------------------------------------------------------------------
 
@@ -119,14 +119,16 @@ class FaultyTier:
 
     def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
         try:
-            miss = self._before("load")
+            miss, slept = self._before("load")
         except OSError as exc:
             self.metrics.add(failed_reads=1)
             return LoadResult(Status.ERROR, error=str(exc))
         if miss:
             self.metrics.add(read_races=1)
             return LoadResult(Status.MISS)
-        return self.inner.load(chunk, spec, into)
+        result = self.inner.load(chunk, spec, into)
+        # An injected delay stands for a slow device, whatever served the bytes after it.
+        return replace(result, from_cache=False) if slept and result.from_cache else result
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         try:

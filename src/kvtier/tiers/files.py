@@ -240,8 +240,10 @@ class ChunkFiles:
         """
         return self._read(self._path_str(cid.key), cid, spec, into)[0]
 
-    def _read(self, path: str, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None) -> tuple[Chunk, float]:
-        """``read``, also returning the file's mtime as its open descriptor saw it."""
+    def _read(self, path: str, cid: ChunkId, spec: ChunkSpec,
+              into: np.ndarray | None) -> tuple[Chunk, float, bool]:
+        """``read``, also returning the file's mtime as its open descriptor saw it and whether the
+        page cache held the whole file (``LoadResult.from_cache``; False when the kernel cannot tell)."""
         fd = self._open_read(path)
         try:
             st = os.fstat(fd)
@@ -253,7 +255,9 @@ class ChunkFiles:
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
             buf = aligned_buffer(size) if into is None else into
             view = buf.data
-            direct = self.direct_io and (cached_bytes(fd) or 0) < size
+            cached = cached_bytes(fd)
+            from_cache = cached is not None and cached >= size
+            direct = self.direct_io and not from_cache
             if not direct and self.direct_io:
                 set_direct(fd, False)
             done = _read_all(fd, view, 0, stop_on_einval=direct)
@@ -266,7 +270,7 @@ class ChunkFiles:
         spec.decode(view, cid)
         dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
-        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime
+        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and not direct
 
     def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
              touch_interval_s: float) -> LoadResult:
@@ -279,7 +283,7 @@ class ChunkFiles:
         t0 = time.perf_counter()
         path = self._path_str(cid.key)
         try:
-            got, mtime = self._read(path, cid, spec, into)
+            got, mtime, from_cache = self._read(path, cid, spec, into)
         except OSError as exc:
             if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ESTALE:
                 metrics.add(failed_reads=1)
@@ -299,7 +303,7 @@ class ChunkFiles:
         metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
         if time.time() - mtime > touch_interval_s:  # the read's own fstat: no second stat per hit
             _utime(path)
-        return LoadResult(Status.HIT, got)
+        return LoadResult(Status.HIT, got, from_cache=from_cache)
 
     def _open_read(self, path: str) -> int:
         """Open a chunk for reading without following a symlink or blocking on a FIFO.
