@@ -20,7 +20,7 @@ import kvtier.reader as reader
 from kvtier.libc import openmp
 from kvtier.threads import executor, thread
 from kvtier.tiers.faulty import FaultyTier
-from kvtier.tiers.pagecache import cached_bytes
+from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes, filesystem_type
 
 C = 16  # the tiny model's chunk tokens
 
@@ -162,3 +162,18 @@ def test_kvtier_threads_run_torch_on_one_cpu_thread_and_leave_the_engines_count_
     later.join()
     assert seen == {"thread": 1, "executor": 1, "engine's later thread": main}
     assert torch.get_num_threads() == main
+
+
+def test_only_a_local_filesystems_page_cache_hits_count_as_memory_reads(tmp_path):
+    mountinfo = "\n".join([
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw",
+        "40 22 0:40 / /mnt/kv\\040pool rw,relatime shared:2 - fuse.glusterfs srv:/kv rw",
+        "41 22 0:41 / /mnt/nfs rw,relatime - nfs4 srv:/export rw",
+        "42 22 0:42 / /dev/shm rw - tmpfs tmpfs rw",
+    ])
+    assert cache_hits_are_local("/var/tmp/pool", mountinfo)
+    assert cache_hits_are_local("/dev/shm/pool", mountinfo)
+    assert not cache_hits_are_local("/mnt/kv pool/a/b", mountinfo)  # the longest mount point wins
+    assert not cache_hits_are_local("/mnt/nfs", mountinfo)
+    assert cache_hits_are_local("/mnt/nfsx", mountinfo)  # not under /mnt/nfs: the root's ext4
+    assert filesystem_type(str(tmp_path)) is not None  # this machine's own mountinfo parses

@@ -58,8 +58,9 @@ class LoadResult:
     chunk: Chunk | None = None
     error: str = ""
     from_cache: bool = False
-    """The bytes came from memory (the page cache), not the device: a read that was slow anyway
-    waited for a CPU, and more reader threads would not help it. False when unknown."""
+    """The bytes came from memory (the page cache of a local filesystem), not a device or a
+    server: a read that was slow anyway waited for a CPU, and more reader threads would not help
+    it. False when unknown."""
 
     @property
     def ok(self) -> bool:

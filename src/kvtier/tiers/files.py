@@ -42,7 +42,7 @@ from kvtier.threads import ThreadInit
 from kvtier.tiers import listing
 from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
 from kvtier.tiers.listing import SUFFIX, ChunkFile
-from kvtier.tiers.pagecache import cached_bytes
+from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
 from kvtier.tiers.presence import Presence
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class ChunkFiles:
         self.fsync = fsync
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
         self.group_access = group_access
+        self._local = cache_hits_are_local(self._root_str)  # page-cache hits are memory reads (LoadResult.from_cache)
         self.file_mode = GROUP_FILE_MODE if group_access else OWNER_FILE_MODE
         self.dir_mode = GROUP_DIR_MODE if group_access else OWNER_DIR_MODE
         self._presence = Presence()
@@ -243,7 +244,8 @@ class ChunkFiles:
     def _read(self, path: str, cid: ChunkId, spec: ChunkSpec,
               into: np.ndarray | None) -> tuple[Chunk, float, bool]:
         """``read``, also returning the file's mtime as its open descriptor saw it and whether the
-        page cache held the whole file (``LoadResult.from_cache``; False when the kernel cannot tell)."""
+        page cache of a local filesystem served it (``LoadResult.from_cache``; False when the kernel
+        cannot tell, and on a network filesystem, where the open was a round trip anyway)."""
         fd = self._open_read(path)
         try:
             st = os.fstat(fd)
@@ -270,7 +272,7 @@ class ChunkFiles:
         spec.decode(view, cid)
         dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
-        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and not direct
+        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and not direct and self._local
 
     def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
              touch_interval_s: float) -> LoadResult:

@@ -1,14 +1,17 @@
-"""How much of a file the page cache holds, without causing any I/O (Linux ``cachestat``).
+"""How much of a file the page cache holds, without causing any I/O (Linux ``cachestat``), and
+whether a hit there is a memory read (a local filesystem) or still a round trip (a network one).
 
 The read path uses it to choose per file: a warm file is copied from the page cache, a cold
-one is read with O_DIRECT. (A ``RWF_NOWAIT`` probe read was tried and rejected: on a miss it
-still starts readahead, so the device would be read twice.)
+one is read with O_DIRECT; and the reader calls up more threads only for reads that waited for
+the device, never for page-cache hits of a local filesystem. (A ``RWF_NOWAIT`` probe read was
+tried and rejected: on a miss it still starts readahead, so the device would be read twice.)
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import platform
 
 _SYSCALL_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
@@ -44,3 +47,38 @@ def cached_bytes(fd: int) -> int | None:
             _available = False
         return None
     return int(stat.nr_cache) * _PAGE
+
+
+# Filesystems whose page-cache hits are memory reads. On any other (FUSE, NFS, CIFS, Ceph,
+# Lustre, 9p, ...) opening a file is a round trip to a server even when the client's cache
+# holds its bytes, so such reads still gain from running in parallel.
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs",
+                               "overlay", "bcachefs", "jfs", "reiserfs"})
+
+
+def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` is on (``/proc/self/mountinfo``: the longest mount
+    point above it), or None where that cannot be read."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best, best_type = -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # spaces are written as \040
+        fstype = fields[fields.index("-") + 1] if fields.index("-") + 1 < len(fields) else None
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, best_type = len(point), fstype
+    return best_type
+
+
+def cache_hits_are_local(path: str, mountinfo: str | None = None) -> bool:
+    """Whether a page-cache hit under ``path`` is a memory read (``LOCAL_FILESYSTEMS``)."""
+    return filesystem_type(path, mountinfo) in LOCAL_FILESYSTEMS
