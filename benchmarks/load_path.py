@@ -12,6 +12,10 @@ splits the difference, every figure a median over ``--repeats`` in the same proc
   with a sink that copies nothing: the reader's hand-off to its I/O threads and back;
 * ``store_copy``: the same with a sink that copies each chunk into a tensor (the scatter
   into vLLM's blocks stands in as one contiguous copy);
+* ``scatter``: ``PagedKV.scatter`` of every chunk, already in memory, into a cache shaped as
+  vLLM's CPU backend shapes it (per layer ``[blocks, 2 heads, 128 tokens, 2 x 64]`` bf16), each
+  chunk into the two consecutive blocks of its head shard: the connector's copy, in one thread;
+* ``store_scatter``: ``load_into`` with that scatter as the sink (the connector's load);
 * ``store_copy_cold`` (``--cold``): the same with the files dropped from the page cache first,
   so that reads go to the device (and, slower than ``FAST_READ_S``, spread over the I/O threads).
 
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 
 from kvtier import KVLayout, StoreConfig, TieredStore
+from kvtier.integrations.paged import PagedKV, head_dim_of
 from kvtier.probe.fs import drop_cache
 from kvtier.tiers.base import aligned_buffer
 
@@ -113,6 +118,33 @@ def _store(store: TieredStore, ids: list[Any], sink: Callable[[int, torch.Tensor
     return _median_ms(run, repeats, before)
 
 
+def _scatter_sink(chunks: int, shards: int) -> Callable[[int, torch.Tensor], None]:
+    """A sink that scatters store chunk ``i`` (chunk ``i // shards``'s head ``i % shards``) into its
+    two blocks of a vLLM-CPU-shaped cache (4 layers, ``shards`` KV heads, 128-token blocks)."""
+    blocks = 2 * chunks + 64  # the chunks' blocks come after others, as in a running engine
+    layers = [torch.zeros(blocks, shards, 128, 128, dtype=torch.bfloat16) for _ in range(4)]
+    paged = PagedKV(layers, blocks, heads=shards, head_dims=[head_dim_of(t, shards) for t in layers])
+
+    def scatter(i: int, data: torch.Tensor) -> None:
+        chunk, shard = divmod(i, shards)
+        paged.scatter(data, [64 + 2 * chunk, 65 + 2 * chunk], shard)
+
+    return scatter
+
+
+def _scatter_only(store: TieredStore, ids: list[Any], scatter: Callable[[int, torch.Tensor], None],
+                  repeats: int) -> float:
+    chunks: list[torch.Tensor] = []
+    store.load_into(ids, lambda i, d: chunks.append(d.clone()), promote=False)
+    assert len(chunks) == len(ids)
+
+    def run() -> None:
+        for i, chunk in enumerate(chunks):
+            scatter(i, chunk)
+
+    return _median_ms(run, repeats)
+
+
 def main() -> int:
     args = _args()
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -136,7 +168,11 @@ def main() -> int:
             def copy(i: int, d: torch.Tensor, dst: torch.Tensor = dst) -> None:
                 dst[i].copy_(d.view(4, 2, 256, 64))
 
+            scatter = _scatter_sink(args.chunks, args.shards)
+            if "scatter_ms" not in results:
+                results["scatter_ms"] = _scatter_only(store, ids, scatter, args.repeats)
             results[f"store_noop_ms_io{threads}"] = _store(store, ids, lambda i, d: None, args.repeats)
+            results[f"store_scatter_ms_io{threads}"] = _store(store, ids, scatter, args.repeats)
             results[f"store_copy_ms_io{threads}"] = _store(store, ids, copy, args.repeats)
             if args.cold:
                 results[f"store_copy_cold_ms_io{threads}"] = _store(

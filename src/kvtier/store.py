@@ -6,9 +6,9 @@ Contracts:
   and pool; it never waits for I/O (a full queue drops the write and counts it).
 * ``lookup`` returns the longest contiguous prefix of full chunks held in any tier; it does
   file-system metadata calls for the pool, never data reads.
-* ``load_into`` reads a prefix on each tier's I/O threads (one while reads are fast, up to
-  ``io_threads`` once they are slow: ``reader.py``) and hands each chunk to the caller's sink
-  as it arrives. A chunk that turns out missing, corrupt, unreadable
+* ``load_into`` reads a prefix on each tier's I/O threads (one while reads are fast or served by
+  the page cache, up to ``io_threads`` once device reads are slow: ``reader.py``) and hands
+  each chunk to the caller's sink as it arrives. A chunk that turns out missing, corrupt, unreadable
   or slower than ``read_timeout_s`` in every tier ends the prefix there (counted); wrong bytes
   are never returned. Every read, a fallback to a lower tier included, runs on that tier's own
   I/O threads under ``read_timeout_s``: reads stuck in a hung tier never hold the threads of
