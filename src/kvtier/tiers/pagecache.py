@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import platform
+import re
 
 _SYSCALL_NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
 _PAGE = 4096
@@ -52,6 +53,7 @@ def cached_bytes(fd: int) -> int | None:
 # Filesystems whose page-cache hits are memory reads. On any other (FUSE, NFS, CIFS, Ceph,
 # Lustre, 9p, ...) opening a file is a round trip to a server even when the client's cache
 # holds its bytes, so such reads still gain from running in parallel.
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo's escapes: space, tab, newline, backslash
 LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs",
                                "overlay", "bcachefs", "jfs", "reiserfs"})
 
@@ -71,7 +73,7 @@ def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
         fields = line.split()
         if "-" not in fields or len(fields) < 5:
             continue
-        point = fields[4].encode().decode("unicode_escape")  # spaces are written as \040
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is written \040
         fstype = fields[fields.index("-") + 1] if fields.index("-") + 1 < len(fields) else None
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and len(point) > best:
