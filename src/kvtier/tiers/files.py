@@ -257,7 +257,7 @@ class ChunkFiles:
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
             buf = aligned_buffer(size) if into is None else into
             view = buf.data
-            cached = cached_bytes(fd)
+            cached = cached_bytes(fd) if self.direct_io or self._local else None
             from_cache = cached is not None and cached >= size
             direct = self.direct_io and not from_cache
             if not direct and self.direct_io:
@@ -303,8 +303,8 @@ class ChunkFiles:
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
         metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
-        if time.time() - mtime > touch_interval_s:  # the read's own fstat: no second stat per hit
-            _utime(path)
+        if time.time() - mtime > touch_interval_s:  # due by the read's own fstat (most hits are not)
+            _touch(path, touch_interval_s)
         return LoadResult(Status.HIT, got, from_cache=from_cache)
 
     def _open_read(self, path: str) -> int:
@@ -418,11 +418,14 @@ class ChunkFiles:
         return listing.temp_files(self._root_str, self.shard_dirs())
 
 
-def _utime(path: str) -> None:
-    """Mark a chunk recently used: mtime = now (the LRU clock; mtime, not atime, which is often
-    off on shared filesystems). Best effort: a file gone or read-only meanwhile stays as it is."""
+def _touch(path: str, older_than_s: float) -> None:
+    """Mark a chunk recently used (mtime = now: the LRU clock; mtime, not atime, which is often
+    off on shared filesystems) unless it was marked in the last ``older_than_s``. The mtime is
+    read again right before the update, so that a retention set meanwhile (a later mtime) is
+    kept. Best effort: a file gone or read-only meanwhile stays as it is."""
     try:
-        os.utime(path)
+        if time.time() - os.stat(path).st_mtime > older_than_s:
+            os.utime(path)
     except OSError:
         pass
 
