@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -175,22 +176,16 @@ class PagedKV:
                              f"{self.block_bytes} bytes")
         return flat
 
-    def _pages(self, flat: torch.Tensor, n_blocks: int, shard: int) -> list[torch.Tensor]:
-        """The chunk's ``[n_blocks, *run shape]`` piece for each run of ``shard``, in run order."""
+    def _pages(self, flat: Any, n_blocks: int, shard: int) -> list[Any]:
+        """The chunk's ``[n_blocks, *run shape]`` piece for each run of ``shard``, in run order:
+        views of ``flat``, a torch tensor or (CPU: numpy slices cost a fraction of torch views)
+        its numpy array. ``flat`` is contiguous (``_chunk_bytes``), so no piece is a copy."""
+        numpy = isinstance(flat, np.ndarray)
         out, offset = [], 0
-        for run in self.shard_runs[shard]:
-            size = n_blocks * _run_bytes(run)
-            out.append(flat[offset:offset + size].view(n_blocks, *run.shape[1:]))
-            offset += size
-        return out
-
-    def _np_pages(self, flat: torch.Tensor, n_blocks: int, shard: int) -> list[Any]:
-        """``_pages`` as numpy views (CPU): numpy slices cost a fraction of torch views."""
-        raw, out, offset = flat.numpy(), [], 0
         for run_bytes, shape in self._run_shapes[shard]:
-            size = n_blocks * run_bytes
-            out.append(raw[offset:offset + size].reshape(n_blocks, *shape))
-            offset += size
+            piece = flat[offset:offset + n_blocks * run_bytes]
+            out.append(piece.reshape(n_blocks, *shape) if numpy else piece.view(n_blocks, *shape))
+            offset += n_blocks * run_bytes
         return out
 
     def gather(self, block_ids: Sequence[int], chunk: torch.Tensor, shard: int = 0) -> None:
@@ -200,7 +195,8 @@ class PagedKV:
             # numpy copies, one per run and span of consecutive blocks (as scatter): torch's
             # index_select costs about 4x as much per chunk here, on the engine's own thread.
             spans = _spans(block_ids, range(len(block_ids)))
-            for run, page in zip(self._numpy_runs()[shard], self._np_pages(flat, len(block_ids), shard), strict=True):
+            pages = self._pages(flat.numpy(), len(block_ids), shard)
+            for run, page in zip(self._numpy_runs()[shard], pages, strict=True):
                 for j, b, n in spans:
                     page[j:j + n] = run[b:b + n]
             return
@@ -223,7 +219,8 @@ class PagedKV:
             # (8 ms against 0.45 ms for an 8k load of the tiny model), and torch's index_copy_
             # needs an OpenMP team on the engine's cores.
             spans = _spans(block_ids, keep)
-            for run, page in zip(self._numpy_runs()[shard], self._np_pages(flat, len(block_ids), shard), strict=True):
+            pages = self._pages(flat.numpy(), len(block_ids), shard)
+            for run, page in zip(self._numpy_runs()[shard], pages, strict=True):
                 for j, b, n in spans:
                     run[b:b + n] = page[j:j + n]
             return

@@ -272,7 +272,7 @@ class ChunkFiles:
         spec.decode(view, cid)
         dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
-        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and not direct and self._local
+        return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and self._local
 
     def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
              touch_interval_s: float) -> LoadResult:

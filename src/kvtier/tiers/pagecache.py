@@ -71,10 +71,11 @@ def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
     best, best_type = -1, None
     for line in mountinfo.splitlines():
         fields = line.split()
-        if "-" not in fields or len(fields) < 5:
+        sep = fields.index("-") if "-" in fields else -1
+        if sep < 5 or sep + 1 >= len(fields):  # mount point is field 4; the type follows " - "
             continue
         point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is written \040
-        fstype = fields[fields.index("-") + 1] if fields.index("-") + 1 < len(fields) else None
+        fstype = fields[sep + 1]
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and len(point) > best:
             best, best_type = len(point), fstype
