@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import KVLayout
-from kvtier.keys import FORMAT_VERSION, as_token_array, chunk_ids, recompute_key
+from kvtier.keys import FORMAT_VERSION, as_token_array, chunk_ids, recompute_key, tail_id
 
 # Keys of tokens 0..47 in the tiny namespace. They name files in every pool on disk: if this
 # test fails, stored chunks became unreachable; bump FORMAT_VERSION rather than edit these.
@@ -207,3 +207,25 @@ def test_key_i_equal_iff_chunks_0_to_i_equal(tiny, a, b):
     ids_a, ids_b = chunk_ids(ns, a), chunk_ids(ns, b)
     for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)):
         assert (x.key == y.key) == (a[: (i + 1) * 4] == b[: (i + 1) * 4])
+
+
+def test_a_tail_is_named_by_its_tokens_its_length_and_its_parent_never_as_a_chunk(tiny):
+    ns = tiny.namespace(chunk_tokens=8)
+    tokens = tiny.tokens(24, seed=5)
+    full = chunk_ids(ns, tokens)
+    tail = tail_id(ns, tokens, 8, 4, full[0].key)
+    assert tail.parent == full[0].key and tail.key == recompute_key(tail.parent, tail.tokens_digest, tail.extra_digest)
+    assert tail == tail_id(ns, np.array(tokens[:12]), 8, 4, full[0].key)  # only its own tokens count
+    others = {full[1].key, tail_id(ns, tokens, 8, 6, full[0].key).key, tail_id(ns, tokens, 8, 4, b"x" * 32).key,
+              tail_id(ns, tokens, 8, 4, full[0].key, b"lora").key, tail_id(ns, tokens, 0, 4).key}
+    assert tail.key not in others and len(others) == 5
+    # Never the key of a chunk of the same tokens, even in a namespace whose chunks are that long.
+    short = tiny.namespace(chunk_tokens=4)
+    assert tail_id(ns, tokens, 0, 4).key != chunk_ids(short, tokens)[0].key
+    for bad in ((8, 0), (8, 8), (4, 2), (16, 9)):
+        with pytest.raises(ValueError):
+            tail_id(ns, tokens, bad[0], bad[1], full[0].key)
+    with pytest.raises(ValueError, match="parent"):
+        tail_id(ns, tokens, 8, 4)
+    with pytest.raises(ValueError, match="parent"):
+        tail_id(ns, tokens, 0, 4, full[0].key)

@@ -7,6 +7,10 @@ A key is deterministic across processes and machines: it is a BLAKE3 digest of b
     key(i)           = BLAKE3(key(i-1) || tokens_digest(i) || extra_digest)
     key(-1)          = namespace digest
 
+A *tail* (``tail_id``: the tokens after a prefix's last full chunk, fewer than a chunk) is
+chained on that chunk's key the same way, with an extra digest that names it a tail of so
+many tokens.
+
 The namespace digest covers everything that changes the stored bytes (model and the content
 of its weights, dtype, layout, chunk size, parallel rank/size, format version, tenant salt), so
 KV of one model or tenant can never be addressed by another. Hashing the token digest rather than the tokens lets
@@ -135,6 +139,35 @@ def chunk_ids(namespace: Namespace, tokens: TokenIds, extra: bytes = b"",
         out.append(ChunkId(key, parent, tokens_digest, extra_digest))
         parent = key
     return out
+
+
+def tail_id(namespace: Namespace, tokens: TokenIds, start: int, n: int, parent: bytes | None = None,
+            extra: bytes = b"") -> ChunkId:
+    """The identity of a *tail*: the ``n`` tokens from ``start`` (a multiple of ``chunk_tokens``)
+    that follow a prefix's last full chunk, ``0 < n < chunk_tokens``.
+
+    A tail is stored like a chunk (the payload of a full chunk, of which only the first ``n``
+    tokens' blocks are ever read) under a key chained on the last full chunk's key (``parent``;
+    None: the namespace digest, a prompt shorter than one chunk). Its extra digest marks it a
+    tail of ``n`` tokens, so a tail can never be read as a full chunk or as a tail of another
+    length, and ``recompute_key`` still verifies it from its header alone.
+    """
+    if start % namespace.chunk_tokens or not 0 < n < namespace.chunk_tokens:
+        raise ValueError(f"a tail is 1..{namespace.chunk_tokens - 1} tokens from a chunk boundary, "
+                         f"got {n} from {start}")
+    if (parent is None) != (start == 0):
+        raise ValueError("a tail's parent is the key of the full chunk before it (None only from token 0)")
+    ids = as_token_array(tokens)
+    if start + n > len(ids):
+        raise ValueError(f"a tail of {n} tokens from {start} is past the {len(ids)} tokens given")
+    tokens_digest = blake3(ids[start:start + n].tobytes()).digest()
+    extra_digest = _tail_extra(blake3(extra).digest() if extra else b"", n)
+    parent = namespace.digest if parent is None else parent
+    return ChunkId(recompute_key(parent, tokens_digest, extra_digest), parent, tokens_digest, extra_digest)
+
+
+def _tail_extra(extra_digest: bytes, n: int) -> bytes:
+    return blake3(b"kvtier-tail\0" + extra_digest + n.to_bytes(4, "little")).digest()
 
 
 def recompute_key(parent: bytes, tokens_digest: bytes, extra_digest: bytes = b"") -> ChunkKey:
