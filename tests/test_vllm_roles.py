@@ -39,7 +39,7 @@ from kvtier.integrations.vllm.config import (
 )
 from kvtier.integrations.vllm.scheduler import SchedulerRole
 from kvtier.integrations.vllm.views import request_extra
-from kvtier.keys import shard_id
+from kvtier.keys import ChunkId, shard_id, tail_id
 
 BS, CHUNK, HEADS, HEAD = 16, 32, 2, 8
 
@@ -537,6 +537,83 @@ def test_a_finished_requests_generated_tokens_are_saved_for_the_next_turn() -> N
     # The next turn's prompt extends this conversation: its chunks are the ones saved.
     nxt = role._state(request("next", [*tokens, 1, 2, 3]))
     assert save.chunk_ids == nxt.chunk_ids[2:5]
+
+
+def hold(role: SchedulerRole, logical: list[ChunkId], rank: int = 0) -> None:
+    """Tell the scheduler that ``rank``'s host tier holds these logical chunks (or tails)."""
+    sharding = role.dep.sharding
+    keys = [shard_id(c, sharding.shards_of(rank)[0], sharding.num_shards).key for c in logical]
+    role.update_connector_output(KVTierWorkerMeta(host_changes={rank: [(True, bytes(k)) for k in keys]}))
+
+
+def test_a_prompts_tail_is_saved_once_and_a_longer_prompt_loads_it_into_the_tails_own_block() -> None:
+    role, counters = make_scheduler()
+    tokens = list(range(7000, 7000 + 2 * CHUNK + BS + 5))  # 2 chunks, one more full block, 5 tokens
+    req = request("p", tokens)
+    assert ask(role, req) == (0, False)
+    role.update_state_after_alloc(req, blocks(list(range(6))), 0)
+    meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="p", block_ids=(list(range(6)),),
+                                                                  num_computed_tokens=0)],
+                                            scheduled={"p": len(tokens)}))
+    full, tail = meta.saves
+    assert len(full.chunk_ids) == 2 and full.block_ids == [0, 1, 2, 3]
+    assert tail.chunk_ids == [tail_id(role.namespace, tokens, 2 * CHUNK, BS, full.chunk_ids[1].key)]
+    assert tail.block_ids == [4] * (CHUNK // BS)  # its block, repeated to a chunk's payload
+    assert counters["tail_saves"] == 1
+    decoding = role.build_connector_meta(output(cached=[("p", [6], len(tokens))], scheduled={"p": 1}))
+    assert decoding.saves == []  # saved once
+    hold(role, [*full.chunk_ids, tail.chunk_ids[0]])
+    # The next turn: its hit ends where vLLM's own cache would, after the tail's block.
+    nxt = request("n", [*tokens, 1, 2, 3])
+    assert ask(role, nxt) == (2 * CHUNK + BS, False)
+    role.update_state_after_alloc(nxt, blocks(list(range(20, 26))), 2 * CHUNK + BS)
+    step = role.build_connector_meta(output(new=[SimpleNamespace(req_id="n", block_ids=(list(range(20, 26)),),
+                                                                  num_computed_tokens=2 * CHUNK + BS)],
+                                            scheduled={"n": 8}))
+    (load,) = step.loads
+    assert load.chunk_ids == [*full.chunk_ids, tail.chunk_ids[0]]
+    assert load.block_ids == [20, 21, 22, 23, 24, None]  # the tail fills its own block only
+    assert counters["tail_loads"] == 1
+    # A prompt shorter than one chunk has a tail too.
+    hold(role, [tail_id(role.namespace, tokens, 0, BS)])
+    assert ask(role, request("one-block", tokens[:BS + 5])) == (BS, False)
+    assert ask(role, request("in-the-block", tokens[:BS])) == (0, False)
+    # A prompt that ends inside the tail's block cannot use it (vLLM computes its last token).
+    assert ask(role, request("short", tokens[:2 * CHUNK + BS])) == (2 * CHUNK, False)
+    # Another continuation of the same two chunks misses the tail: its tokens differ.
+    assert ask(role, request("fork", [*tokens[:2 * CHUNK], *range(BS + 9)])) == (2 * CHUNK, False)
+    # With tails off, the hit ends at the last full chunk and no tail is saved.
+    off, off_counters = make_scheduler(extra={"tail_chunks": False})
+    hold(off, [*full.chunk_ids, tail.chunk_ids[0]])
+    assert ask(off, request("n", [*tokens, 1, 2, 3])) == (2 * CHUNK, False)
+    req = request("p", tokens)
+    ask(off, req)
+    off.update_state_after_alloc(req, blocks(list(range(6))), 0)
+    meta = off.build_connector_meta(output(new=[SimpleNamespace(req_id="p", block_ids=(list(range(6)),),
+                                                                 num_computed_tokens=0)],
+                                           scheduled={"p": len(tokens)}))
+    assert [len(t.chunk_ids) for t in meta.saves] == [2] and off_counters["tail_saves"] == 0
+
+
+def test_a_finished_requests_tail_after_its_generated_tokens_is_saved_with_its_chunks() -> None:
+    role, counters = make_scheduler()
+    tokens = list(range(9500, 9500 + 2 * CHUNK + BS + 7))  # prompt: one chunk + 3; the rest generated
+    req = finished("t", tokens, len(tokens) - 1, prompt=CHUNK + 3)
+    assert ask(role, req) == (0, False)
+    role.update_state_after_alloc(req, blocks(list(range(6))), 0)
+    first = role.build_connector_meta(output(new=[SimpleNamespace(req_id="t", block_ids=(list(range(3)),),
+                                                                   num_computed_tokens=0)],
+                                             scheduled={"t": CHUNK + 3}))
+    assert [len(t.chunk_ids) for t in first.saves] == [1]  # 3 tokens past the chunk: no tail yet
+    assert role.request_finished(req, list(range(6))) is True
+    meta = role.build_connector_meta(output())
+    assert meta.finished == ["t"]  # once, for its chunk and its tail
+    chunk, tail = meta.saves
+    assert chunk.block_ids == [2, 3] and tail.block_ids == [4] * (CHUNK // BS)
+    nxt = role._state(request("next", [*tokens, 1, 2]))
+    assert chunk.chunk_ids == nxt.chunk_ids[1:2]
+    assert tail.chunk_ids == [tail_id(role.namespace, tokens, 2 * CHUNK, BS, nxt.chunk_ids[1].key)]
+    assert counters["tail_saves"] == 1 and counters["decode_saves"] == 1
 
 
 def test_no_decode_save_when_turned_off_or_for_a_request_aborted_while_loading() -> None:

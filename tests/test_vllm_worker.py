@@ -20,7 +20,7 @@ if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
 from kvtier.integrations.vllm.common import KVTierMetadata, Load, Save
 from kvtier.integrations.vllm.config import ConnectorConfig, deployment, store_config
 from kvtier.integrations.vllm.worker import WorkerRole
-from kvtier.keys import ChunkId, Namespace, chunk_ids
+from kvtier.keys import ChunkId, Namespace, chunk_ids, tail_id
 from test_vllm_roles import BS, CHUNK, full_spec, kv_config, vllm_config
 
 NUM_BLOCKS = 64
@@ -83,6 +83,27 @@ def test_a_background_load_fills_the_blocks_and_is_reported_once_done(tmp_path: 
     for src, dst in zip(source, caches, strict=True):
         assert torch.equal(src[:4 * BPC], dst[blocks])
     assert role.counters["loaded_tokens"] == 4 * CHUNK
+    role.close()
+
+
+def test_a_tail_saved_from_its_blocks_loads_into_its_own_blocks_and_no_further(tmp_path: Any) -> None:
+    dep = deployment(vllm_config(), kv_config(full_spec()))
+    ns = Namespace("tiny", dep.layout, CHUNK, 0, 1, None, kv_format=dep.kv_format)
+    tokens = list(range(2 * CHUNK))
+    full = chunk_ids(ns, tokens)
+    tail = tail_id(ns, tokens, CHUNK, BS, full[0].key)
+    writer, source = worker(tmp_path, fill=True)
+    writer.wait_for_save(KVTierMetadata(saves=[Save("w", full[:1], list(range(BPC))),
+                                               Save("w", [tail], [7] * BPC)]))  # the tail's block, repeated
+    writer.close()
+    role, caches = worker(tmp_path)
+    blocks: list[int | None] = [40 + b for b in range(BPC)] + [50] + [None] * (BPC - 1)
+    role.start_load_kv(KVTierMetadata(loads=[Load("t", [full[0], tail], blocks, background=True)]))
+    assert wait_recved(role, "t") == set()
+    for src, dst in zip(source, caches, strict=True):
+        assert torch.equal(src[:BPC], dst[40:40 + BPC]) and torch.equal(src[7], dst[50])
+        assert not dst[51:].any()  # nothing past the tail's own block
+    assert role.counters["loaded_tokens"] == CHUNK + BS
     role.close()
 
 

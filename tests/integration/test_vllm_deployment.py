@@ -32,6 +32,24 @@ def long_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 31000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+def own_cache_hit(prompt: list[int]) -> int:
+    """What vLLM's own prefix cache would serve of ``prompt`` (every full block but the one
+    holding its last token): a fresh engine's hit when the prompt's chunks and tail are pooled
+    (with 256-token chunks and 128-token blocks a tail is the block after the last full chunk)."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def stored_chunks(prompt_len: int, generated: int) -> int:
+    """Chunk files per shard an engine stores for one request: the full chunks of every token
+    with KV, the prompt's tail, and the finished request's tail when it ends later."""
+    computed = prompt_len + generated - 1  # the last sampled token has no KV
+    full = computed // CHUNK
+    prompt_tail = prompt_len % CHUNK // BLOCK * BLOCK
+    prompt_tail_end = prompt_len // CHUNK * CHUNK + prompt_tail if prompt_tail else 0
+    final_tail = computed % CHUNK // BLOCK * BLOCK
+    return full + bool(prompt_tail) + bool(final_tail and full * CHUNK + final_tail > prompt_tail_end)
+
+
 @pytest.fixture(scope="module")
 def under_pressure(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """10 prompts of 1000-1333 tokens decode 300 tokens each in 44 blocks of 128 tokens."""
@@ -65,7 +83,8 @@ def test_preempted_requests_resume_with_their_kv_loaded_and_outputs_match_plain_
 def test_each_turn_of_a_conversation_loads_the_previous_answer_from_the_pool(model: Path, tmp_path: Path) -> None:
     """4 turns; each adds the previous answer and a new message. A fresh engine serves each
     turn from the shared pool alone: its hit covers the previous turn's prompt *and* answer
-    (the full chunks of every token whose KV was computed), and outputs equal recompute."""
+    (the full chunks and the tail's blocks of every token whose KV was computed), and outputs
+    equal recompute."""
     rng = random.Random(11)
     connector = {"chunk_tokens": CHUNK, "pool_url": f"fs://{tmp_path / 'pool'}", "host_bytes": "64MiB", **ALWAYS}
     prompts: list[list[int]] = [[rng.randrange(100, 31000) for _ in range(700)]]
@@ -78,7 +97,7 @@ def test_each_turn_of_a_conversation_loads_the_previous_answer_from_the_pool(mod
         computed = len(prompts[t - 1]) + len(turns[t - 1]["tokens"]) - 1  # the last token has no KV
         saved = computed // CHUNK * CHUNK
         assert saved > len(prompts[t - 1]) // CHUNK * CHUNK  # the answer added chunks
-        assert turns[t]["cached"] == min(saved, (len(prompts[t]) - 1) // BLOCK * BLOCK)
+        assert turns[t]["cached"] == min(computed // BLOCK * BLOCK, own_cache_hit(prompts[t]))
     plain, _ = _runs.run_engine(model, tmp_path, "recompute", prompts[:4], None, max_tokens=300,
                                 reset_prefix_cache_at=[1, 2, 3])
     assert _runs.mismatches(turns, plain) == []
@@ -104,7 +123,7 @@ def test_tp2_outputs_match_plain_vllm_and_a_fresh_engine_hits_every_full_chunk(t
     assert _runs.mismatches(writer, plain) == []
     assert _runs.mismatches(reader, plain) == []
     for prompt, result in zip(tp2["prompts"], reader, strict=True):
-        assert result["cached"] == min(len(prompt) // CHUNK * CHUNK, (len(prompt) - 1) // BLOCK * BLOCK)
+        assert result["cached"] == own_cache_hit(prompt)  # the full chunks and the tail
     for rank in ("worker", "worker1"):  # both ranks loaded their own shards, none rejected
         tiers = metrics[rank]["tiers"]
         assert metrics[rank]["connector"]["loaded_tokens"] == sum(r["cached"] for r in reader)
@@ -116,7 +135,7 @@ def test_tp2_stores_every_ranks_shard_and_never_deletes_one_as_foreign(tp2: dict
     from kvtier.admin import check_file
 
     tmp, prompts = tp2["tmp"], tp2["prompts"]
-    chunks = sum(len(p) // CHUNK for p in prompts)
+    chunks = sum(stored_chunks(len(p), len(r["tokens"])) for p, r in zip(prompts, tp2["writer"][0], strict=True))
     pool_files = sorted((tmp / "pool").glob("??/??/*.kvt"))
     assert len(pool_files) == 2 * chunks  # one shard per rank per chunk
     assert [check_file(f) for f in pool_files] == [None] * len(pool_files)
@@ -148,10 +167,6 @@ def cross_tp(model: Path, tp2: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def full_hit(prompt: list[int]) -> int:
-    return min(len(prompt) // CHUNK * CHUNK, (len(prompt) - 1) // BLOCK * BLOCK)
-
-
 def test_a_tp1_engine_resumes_what_a_tp2_engine_wrote_and_the_other_way_round(cross_tp: dict[str, Any],
                                                                               tp2: dict[str, Any]) -> None:
     plain_tp2, _ = tp2["plain"]
@@ -160,7 +175,7 @@ def test_a_tp1_engine_resumes_what_a_tp2_engine_wrote_and_the_other_way_round(cr
                                    ("tp2_reads_tp1", plain_tp2, ("worker", "worker1"))):
         results, metrics = cross_tp[name]
         assert _runs.mismatches(results, reference) == [], name
-        assert [r["cached"] for r in results] == [full_hit(p) for p in cross_tp["prompts"]], name
+        assert [r["cached"] for r in results] == [own_cache_hit(p) for p in cross_tp["prompts"]], name
         for rank in ranks:
             connector = metrics[rank]["connector"]
             assert connector["loaded_tokens"] == sum(r["cached"] for r in results), (name, rank)

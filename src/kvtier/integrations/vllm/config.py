@@ -72,6 +72,12 @@ class ConnectorConfig:
     """Save the full chunks of a finished request's prompt *and* generated tokens, so the next
     turn of a conversation hits the previous answer too (the request's blocks are held until
     they are copied). False: prompt chunks only."""
+    tail_chunks: bool = True
+    """Also save and load a prompt's *tail*: its full blocks after the last full chunk (in steps
+    of a quarter chunk or one block, whichever is larger; ``keys.tail_id``), so a resumed
+    session recomputes what vLLM's own prefix cache would, not up to a chunk more. Costs one
+    extra file per prompt and per finished request, and at most three extra lookups per
+    request that hit (one on vLLM's CPU build)."""
     lookup_timeout_s: float = 2.0
     """A request's lookup runs in the background; a request whose lookup has not finished
     after this long is scheduled without a hit."""
@@ -104,7 +110,7 @@ class ConnectorConfig:
     """The store settings of the ``config`` file (read by ``split``; never shown: it may hold secrets)."""
 
     KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
-            "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks",
+            "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks",
             "metrics_file", "profile_file", "config", "inject_faults")
 
     def __post_init__(self) -> None:
@@ -114,6 +120,8 @@ class ConnectorConfig:
             raise ValueError(f"kvtier setting load_mode: {self.load_mode!r}; use one of {', '.join(LOAD_MODES)}")
         if not isinstance(self.save_decode, bool):
             raise ValueError(f"kvtier setting save_decode: expected true or false, got {self.save_decode!r}")
+        if not isinstance(self.tail_chunks, bool):
+            raise ValueError(f"kvtier setting tail_chunks: expected true or false, got {self.tail_chunks!r}")
         object.__setattr__(self, "lookup_timeout_s", _number("lookup_timeout_s", self.lookup_timeout_s))
         object.__setattr__(self, "read_gbps", _number("read_gbps", self.read_gbps))
         object.__setattr__(self, "retain_s", _number("retain_s", self.retain_s, strict=False))

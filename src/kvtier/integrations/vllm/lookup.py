@@ -116,12 +116,14 @@ class RankTiers:
             ids = made[shard] = ShardIds(logical, shard, self.dep.sharding.num_shards)
         return ids
 
-    def locate(self, logical: Sequence[ChunkId], made: dict[int, ShardIds], first: int = 0) -> list[str]:
+    def locate(self, logical: Sequence[ChunkId], made: dict[int, ShardIds], first: int = 0,
+               count_metrics: bool = True) -> list[str]:
         """Tier names of chunks ``first..`` of the cached prefix (the slowest any rank reads each from).
 
         Blocking (metadata calls to disk and pool): it runs on a lookup thread. Each rank's own
         levels (host DRAM, disk) are asked for that rank's first shard; the shared pool once per
-        chunk, for shard 0, whatever the number of ranks.
+        chunk, for shard 0, whatever the number of ranks. ``count_metrics`` False: the tiers'
+        lookup metrics leave this lookup out (a tail's, which is not a prompt's chunk).
         """
         pool = self.pool
         shared: PoolAnswer | None = None
@@ -135,13 +137,13 @@ class RankTiers:
             local = [t for t in tiers if t is not pool and not (isinstance(t, HostView) and not t.keys)]
             if not local:
                 located = pool_only if pool in tiers else []
-                if rank == 0 and shared is not None:
+                if rank == 0 and shared is not None and count_metrics:
                     self._count_shared(shared, len(logical) - first)
             else:
                 ids = self.shard_ids(made, logical, self.dep.sharding.shards_of(rank)[0])
                 levels: list[Level] = local + ([shared] if shared is not None and pool in tiers else [])
-                located = [t.name for t in locate(levels, self.guard, ids[first:],
-                                                  count_metrics=rank == 0, chunk_tokens=self.chunk_tokens)]
+                located = [t.name for t in locate(levels, self.guard, ids[first:], count_metrics=count_metrics
+                                                  and rank == 0, chunk_tokens=self.chunk_tokens)]
             if names is None or names is located:
                 names = located
             else:

@@ -12,13 +12,24 @@ from kvtier.integrations.vllm.profile import Profile
 from kvtier.keys import ChunkId, Namespace
 
 
+@dataclass(frozen=True)
+class Tail:
+    """A tail (``keys.tail_id``) a lookup found: ``tokens`` tokens from chunk ``index`` on."""
+
+    id: ChunkId  # logical
+    index: int
+    tokens: int
+    tier: str
+
+
 @dataclass
 class PendingLookup:
-    """A background lookup of chunks ``first..`` of a request (``future`` yields their tiers)."""
+    """A background lookup of chunks ``first..`` of a request: ``future`` yields their tiers and
+    the tail found after them (None: none, or not looked for)."""
 
     first: int
     started: float
-    future: cf.Future[list[str]]
+    future: cf.Future[tuple[list[str], Tail | None]]
     decided: bool = False  # its outcome was counted (vLLM may ask again for the same lookup)
     done_at: float | None = None  # monotonic, set by the lookup thread (the resume profile)
 
@@ -43,6 +54,8 @@ class RequestState:
     lookup: PendingLookup | None = None
     shard_ids: dict[int, ShardIds] = field(default_factory=dict)
     chunk_tiers: list[str] = field(default_factory=list)  # where the decided load's chunks were found
+    tail: Tail | None = None  # the tail the decided load ends with (its tier is the last chunk_tiers)
+    tail_end: int = 0  # the end (tokens) of the last tail saved for this request: not saved again
     request: Any = None  # vLLM's Request (its block hashes, for KV events)
     retain_s: float = 0.0  # the session asked kvtier to keep its chunks this long
     retained: bool = False  # the chunks it had when first scheduled were sent for retention

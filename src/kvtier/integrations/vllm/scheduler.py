@@ -31,6 +31,12 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
 * Saves: every prompt chunk that a step completes; chunks vLLM's own prefix cache served are
   not saved again. When a request finishes (``save_decode``), the full chunks of its prompt and
   generated tokens, with its blocks held by vLLM until the workers have copied them.
+* Tails (``tail_chunks``): the full blocks after the last full chunk, in steps of
+  ``tail_step`` tokens (``keys.tail_id``). Saved when the prompt's prefill completes and when
+  the request finishes (its generated tokens too), as a chunk whose payload repeats the tail's
+  last block; a lookup that found chunks then asks for the longest tail after them, and the
+  load fills only the tail's own blocks. A resume then restores what vLLM's own prefix cache
+  would, not up to a chunk less.
 * The load decision: a hit is loaded only when reading it is predicted to be faster than
   recomputing it (``load_policy: auto``), from rates measured in the running engine and sent
   back by the workers: the prefill rate of steps that computed many tokens and loaded nothing,
@@ -65,10 +71,10 @@ from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.lookup import RankTiers, ShardIds
 from kvtier.integrations.vllm.profile import Profiler
-from kvtier.integrations.vllm.requests import PendingLookup, RequestState
+from kvtier.integrations.vllm.requests import PendingLookup, RequestState, Tail
 from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
 from kvtier.integrations.vllm.views import request_extra
-from kvtier.keys import Namespace, chunk_ids
+from kvtier.keys import ChunkId, Namespace, chunk_ids, tail_id
 from kvtier.policy import Rates, Read, pays_off, predicted_load_s
 from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
@@ -90,6 +96,15 @@ LOOKUP_BUSY_WAIT_S = 0.001
 (32 chunks' stats: 0.16 ms), and an answer in this call saves the request a whole engine step
 (at concurrency 2, another request's prefill: hundreds of ms on a CPU), for at most this
 much delay to the step, once per request."""
+TAIL_PARTS = 4
+"""Tails (``keys.tail_id``) are saved and looked for in steps of ``chunk_tokens / TAIL_PARTS``
+or one block, whichever is larger: at most ``TAIL_PARTS - 1`` extra lookups per request."""
+
+
+def tail_step(chunk_tokens: int, block_size: int) -> int:
+    """The tokens of one step of a tail (a multiple of ``block_size``); 0: a chunk is one block."""
+    step = -(-max(block_size, chunk_tokens // TAIL_PARTS) // block_size) * block_size
+    return step if step < chunk_tokens else 0
 
 
 class SchedulerRole:
@@ -102,6 +117,7 @@ class SchedulerRole:
         self.chunk_tokens = store_config.chunk_tokens
         self.block_size = dep.block_size
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.tail_tokens = tail_step(self.chunk_tokens, self.block_size) if connector_config.tail_chunks else 0
         self.namespace: Namespace = store_config.namespace(rank=0)
         # Per-tier read bandwidth and the prefill rate: priors until the workers measure them.
         self.rates = Rates(connector_config.read_gbps * 1e9, connector_config.prefill_tokens_per_s)
@@ -134,6 +150,39 @@ class SchedulerRole:
     def locate(self, state: RequestState, first: int = 0) -> list[str]:
         """Tier names of chunks ``first..`` of the request's cached prefix (``RankTiers.locate``)."""
         return self.views.locate(state.chunk_ids, state.shard_ids, first)
+
+    def _lookable(self, state: RequestState) -> bool:
+        """Whether a lookup could find anything: a full chunk, or a tail of a shorter prompt."""
+        if state.chunk_ids:
+            return True
+        usable = (state.prompt_len - 1) // self.block_size * self.block_size
+        return bool(self.tail_tokens) and state.namespace is not None and usable >= self.tail_tokens
+
+    def _lookup(self, state: RequestState, first: int) -> tuple[list[str], Tail | None]:
+        """A lookup thread's work for one request: its chunks from ``first`` on, then its tail."""
+        located = self.locate(state, first)
+        return located, self._find_tail(state, first, first + len(located))
+
+    def _find_tail(self, state: RequestState, first: int, index: int) -> Tail | None:
+        """The longest tail after full chunk ``index - 1`` that a load could use, or None.
+
+        Looked for only when it can lengthen a hit: after a full chunk found (by this lookup or
+        vLLM's own cache), or when every full chunk of the prompt was found; a new prompt that
+        misses its first chunk costs no tail lookups."""
+        step, request = self.tail_tokens, state.request
+        if not step or state.namespace is None or request is None or request.prompt_token_ids is None:
+            return None
+        if index == 0 and state.chunk_ids:
+            return None
+        start = index * self.chunk_tokens
+        usable = (state.prompt_len - 1) // self.block_size * self.block_size - start  # vLLM computes >= 1 token
+        parent = state.chunk_ids[index - 1].key if index else None
+        for n in range(min(self.chunk_tokens - 1, usable) // step * step, 0, -step):
+            tid = tail_id(state.namespace, request.prompt_token_ids, start, n, parent, state.extra)
+            names = self.views.locate([tid], {}, 0, count_metrics=False)
+            if names:
+                return Tail(tid, index, n, names[0])
+        return None
 
     # ---------------------------------------------------------------- per request
 
@@ -200,7 +249,7 @@ class SchedulerRole:
         ``lookup_timeout_s``; after that the request is scheduled without a hit.
         """
         state = self._state(request)
-        state.load = None
+        state.load, state.tail = None, None
         if state.loading:
             # Asked again before it ever ran: its background load delivered nothing (vLLM put it
             # back with no tokens). Offering the same hit again could fail the same way forever
@@ -213,12 +262,12 @@ class SchedulerRole:
         # and they are not saved again: the request that put them in vLLM's prefix cache computed
         # (and saved) or loaded them. Re-gathering them costs other requests' decode steps.
         state.saved_chunks = max(state.saved_chunks, first)
-        if self.connector_config.load_policy == "never" or self.disabled or not state.chunk_ids:
+        if self.connector_config.load_policy == "never" or self.disabled or not self._lookable(state):
             return 0, False
         lookup, fresh = state.lookup, False
         if lookup is None or lookup.first > first:
             fresh = True
-            future = self._lookups.submit(self.locate, state, first)
+            future = self._lookups.submit(self._lookup, state, first)
             lookup = state.lookup = PendingLookup(first, time.monotonic(), future)
             if state.profile is not None:
                 state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
@@ -238,13 +287,17 @@ class SchedulerRole:
                         request.request_id, self.connector_config.lookup_timeout_s)
             state.lookup = None
             return 0, False
+        tail: Tail | None = None
         try:
-            located = lookup.future.result()
+            located, tail = lookup.future.result()
         except Exception as exc:  # a lookup bug or an unexpected tier error: no hit, keep serving
             log.error("kvtier: lookup of %s failed: %r", request.request_id, exc)
             located = []
         chunk_tiers = [""] * lookup.first + located  # only chunks from ``first`` on are read
         found = len(chunk_tiers) * self.chunk_tokens
+        if tail is not None:
+            chunk_tiers.append(tail.tier)
+            found += tail.tokens
         if not lookup.decided:
             asked = (len(state.chunk_ids) - lookup.first) * self.chunk_tokens
             count(self.counters, "lookup_tokens", n=asked)
@@ -263,7 +316,7 @@ class SchedulerRole:
             self._decided(lookup, "recompute", state)
             return 0, False
         self._decided(lookup, "load", state)
-        state.load = (num_computed_tokens, end)
+        state.load, state.tail = (num_computed_tokens, end), tail
         return ext, self.connector_config.load_mode == "async"
 
     def _decided(self, lookup: PendingLookup, decision: str, state: RequestState) -> None:
@@ -313,7 +366,7 @@ class SchedulerRole:
                                 for r in scheduler_output.scheduled_cached_reqs.resumed_req_ids})
         meta.loads, self._background_loads = self._background_loads, []
         meta.saves, self._finishing = self._finishing, []
-        meta.finished = [t.req_id for t in meta.saves]
+        meta.finished = list(dict.fromkeys(t.req_id for t in meta.saves))  # (a request's chunks and tail)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -356,10 +409,12 @@ class SchedulerRole:
         return meta
 
     def _retain_had(self, meta: KVTierMetadata, req_id: str, state: RequestState) -> None:
-        """A retained session's chunks it did not compute (vLLM's hit, a load) are kept too."""
+        """A retained session's chunks it did not compute (vLLM's hit, a load, the tail it loaded)
+        are kept too."""
         if state.retain_s > 0 and not state.retained and state.saved_chunks:
             state.retained = True
-            meta.retains.append(Retain(req_id, state.chunk_ids[:state.saved_chunks], time.time() + state.retain_s))
+            had = state.chunk_ids[:state.saved_chunks] + ([state.tail.id] if state.tail is not None else [])
+            meta.retains.append(Retain(req_id, had, time.time() + state.retain_s))
 
     def _emit_load(self, req_id: str, state: RequestState, background: bool) -> Load:
         assert state.load is not None
@@ -375,7 +430,14 @@ class SchedulerRole:
         state.load = None
         c0, c1 = start // self.chunk_tokens, -(-end // self.chunk_tokens)
         found = tuple(state.chunk_tiers[c0:c1])
-        return Load(req_id, state.chunk_ids[c0:c1], self._blocks(state, start, end), background, state.salt,
+        ids: list[ChunkId] = state.chunk_ids[c0:c1]
+        tail = state.tail
+        if tail is not None and c0 <= tail.index < c1:  # (the last chunk: a load ends where its hit does)
+            ids = [*state.chunk_ids[c0:tail.index], tail.id]
+            count(self.counters, "tail_loads")
+        else:
+            state.tail = None  # (retained with the session's chunks only when loaded)
+        return Load(req_id, ids, self._blocks(state, start, end), background, state.salt,
                     found if len(found) == c1 - c0 else ())
 
     def _recomputes_from(self, state: RequestState, computed: int) -> None:
@@ -409,6 +471,34 @@ class SchedulerRole:
             if self.events is not None and state.request is not None:
                 self.events.remember(state.request, state.chunk_ids, state.saved_chunks, full)
             state.saved_chunks = full
+        if computed >= state.prompt_len and state.request is not None and state.request.prompt_token_ids is not None:
+            tail = self._tail_save(req_id, state, state.request.prompt_token_ids, state.prompt_len, state.block_ids)
+            if tail is not None:
+                meta.saves.append(tail)
+
+    def _tail_save(self, req_id: str, state: RequestState, tokens: Sequence[int], computed: int,
+                   block_ids: Sequence[int]) -> Save | None:
+        """The save of the tail of ``tokens[:computed]`` (whose KV is in ``block_ids``), or None:
+        no tail to save (tails off, shorter than a step, or not past the last one saved).
+
+        A tail's payload is a full chunk's: its blocks, then its last block repeated; a load
+        of it fills only the tail's own blocks (``Load.block_ids``)."""
+        step = self.tail_tokens
+        if not step or state.namespace is None:
+            return None
+        index = computed // self.chunk_tokens
+        start = index * self.chunk_tokens
+        n = min(computed - start, (len(block_ids) * self.block_size) - start) // step * step
+        if n <= 0 or start + n <= state.tail_end or index > len(state.chunk_ids):
+            return None
+        parent = state.chunk_ids[index - 1].key if index else None
+        tid = tail_id(state.namespace, tokens, start, n, parent, state.extra)
+        blocks: list[int | None] = list(block_ids[start // self.block_size:(start + n) // self.block_size])
+        blocks += [blocks[-1]] * (self.blocks_per_chunk - len(blocks))
+        state.tail_end = start + n
+        count(self.counters, "tail_saves")
+        until = time.time() + state.retain_s if state.retain_s > 0 else None
+        return Save(req_id, [tid], blocks, state.salt, until)
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
         """Queue the save of the finished request's generated tokens (``save_decode``).
@@ -423,17 +513,22 @@ class SchedulerRole:
             return False  # (a request aborted while loading: its blocks are the load's until it ends)
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         full = min(computed // self.chunk_tokens, len(block_ids) // self.blocks_per_chunk)
-        if full <= state.saved_chunks:
-            return False
-        tokens = list(request.all_token_ids[:full * self.chunk_tokens])
-        state.chunk_ids = chunk_ids(state.namespace, tokens, state.extra)
+        queued = len(self._finishing)
+        tokens = list(request.all_token_ids[:computed])
+        if full > len(state.chunk_ids):
+            state.chunk_ids = chunk_ids(state.namespace, tokens[:full * self.chunk_tokens], state.extra)
         state.block_ids = list(block_ids)
-        if self.events is not None:
-            self.events.remember(request, state.chunk_ids, state.saved_chunks, full)
-        self._finishing.append(self._save(request.request_id, state, state.saved_chunks * self.chunk_tokens,
-                                          full * self.chunk_tokens))
-        count(self.counters, "decode_saves", n=full - state.saved_chunks)
-        return True
+        if full > state.saved_chunks:
+            if self.events is not None:
+                self.events.remember(request, state.chunk_ids, state.saved_chunks, full)
+            self._finishing.append(self._save(request.request_id, state, state.saved_chunks * self.chunk_tokens,
+                                              full * self.chunk_tokens))
+            count(self.counters, "decode_saves", n=full - state.saved_chunks)
+        if full == computed // self.chunk_tokens:  # (else its blocks end before its tokens do)
+            tail = self._tail_save(request.request_id, state, tokens, computed, block_ids)
+            if tail is not None:
+                self._finishing.append(tail)
+        return len(self._finishing) > queued
 
     # ---------------------------------------------------------------- the workers' reports
 
