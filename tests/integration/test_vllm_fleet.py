@@ -45,8 +45,11 @@ class Server:
 
         self.port = free_port()
         cfg = root / f"{name}.yaml"
+        # Without tails: these tests match KV events (which announce chunks, not tails) against
+        # the pool's files, and the pool's hit counters (whole chunks) against vLLM's cached
+        # tokens. Tails in real engines: test_vllm_connector, test_vllm_deployment, test_gluster.
         cfg.write_text(json.dumps({"pool_url": f"fs://{pool}", "pool_bytes": "1GiB", "host_bytes": "256MiB",
-                                   "chunk_tokens": CHUNK}))
+                                   "chunk_tokens": CHUNK, "tail_chunks": False}))
         args = ["--model", str(model), "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
                 "--enforce-eager", "--max-model-len", "4096", "--max-num-batched-tokens", "4096",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
