@@ -62,8 +62,10 @@ def test_hardware_file_errors() -> None:
     assert hw.tier("disk").capacity_bytes == 2 << 40
 
 
-def fake_bench(tmp_path: Path) -> Path:
-    """A bench folder whose recompute TTFT is exactly 0.01 + n / 1000 s and whose ITL is 5 ms."""
+def fake_bench(tmp_path: Path, disk_entry: dict[str, Any] | None = None, settings: dict[str, Any] | None = None
+               ) -> Path:
+    """A bench folder whose recompute TTFT is exactly 0.01 + n / 1000 s and whose ITL is 5 ms;
+    ``disk_entry`` is merged into local-disk's configs.json entry, ``settings`` into env's."""
     rows: list[dict[str, Any]] = []
     for i, n in enumerate((500, 1000, 2000, 3000)):
         for c in (1, 2):
@@ -80,11 +82,11 @@ def fake_bench(tmp_path: Path) -> Path:
     folder.mkdir()
     (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "configs.json").write_text(json.dumps([{"config": "recompute", "status": "ok"},
-                                                     {"config": "local-disk", "status": "ok"}]))
+                                                     {"config": "local-disk", "status": "ok", **(disk_entry or {})}]))
     (folder / "env.json").write_text(json.dumps({
         "model_shape": {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
                         "head_dim": 1, "torch_dtype": "float32"},
-        "settings": {"cold": {"context_tokens": [500, 3000]}, "kv_cache_gib": 1},
+        "settings": {"cold": {"context_tokens": [500, 3000]}, "kv_cache_gib": 1, **(settings or {})},
         "storage_probe": {"kvtier_read_gbps": 0.001, "write_gbps": 0.001}}))
     return folder
 
@@ -107,6 +109,26 @@ def test_cli_check_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert cells[("recompute", 1)]["calibration"] is True
     assert set(cells) == {("recompute", 1), ("recompute", 2), ("local-disk", 1), ("local-disk", 2)}
     assert "| cold-resume | local-disk | 2" in md.read_text()
+
+
+TAILS_RAN = {"kvtier_metrics": {"metrics-0.scheduler.json": {"connector": {"tail_saves": 8}}}}
+
+
+@pytest.mark.parametrize(("entry", "settings", "cached"), [
+    # Prompts of 500, 1000, 2000 and 3000 tokens stored, resumed 50 tokens longer. Whole chunks:
+    # 256 + 768 + 1792 + 2816. With tails (steps of 128 tokens on the CPU build's 128-token
+    # blocks) each also keeps 128 more: 384 + 896 + 1920 + 2944.
+    ({}, {}, 5632),  # a run from before tails (its connector counts no tail saves)
+    (TAILS_RAN, {}, 6144),
+    (TAILS_RAN, {"kvtier_settings": {"tail_chunks": False}}, 5632),
+])
+def test_check_predicts_tails_where_the_run_kept_them(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       entry: dict[str, Any], settings: dict[str, Any],
+                                                       cached: int) -> None:
+    assert main(["plan", "--check", str(fake_bench(tmp_path, entry, settings)), "--json"]) == 0
+    cells = {(c["config"], c["concurrency"]): c for c in json.loads(capsys.readouterr().out)["cells"]}
+    assert cells[("local-disk", 2)]["predicted_cached"] == cached
+    assert cells[("recompute", 2)]["predicted_cached"] == 0
 
 
 def test_cli_preset_table_json_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

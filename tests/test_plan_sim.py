@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvtier.plan.sim import simulate
@@ -34,6 +36,30 @@ def test_single_read_back_takes_bytes_over_bandwidth() -> None:
     # TTFT = the read, then prefill of the 76-token suffix; the single output token is that first token.
     assert r.ttft_s[0] == pytest.approx(nbytes / 1000.0 + ENGINE.prefill_s(76, 1024), abs=1e-12)
     assert r.bytes_read == {"pool": nbytes}
+
+
+def test_tail_extends_the_hit_past_the_last_chunk_and_reads_a_whole_chunk() -> None:
+    # 1100 tokens store four chunks and a 64-token tail (steps of 256 / 4 over 16-token blocks):
+    # 1088 tokens; the tail's file holds a full chunk, so its read costs 256 tokens' bytes.
+    r = simulate(MODEL, HardwareSpec(ENGINE, (tier(),)), PlanConfig("pool", ("pool",)), resume([1100], 1, grow=100))
+    assert r.loaded_tokens["pool"].tolist() == [1088]
+    assert r.bytes_read == {"pool": 1280 * 8}
+    assert r.ttft_s[0] == pytest.approx(1280 * 8 / 1000.0 + ENGINE.prefill_s(112, 1088), abs=1e-12)
+    off = simulate(MODEL, HardwareSpec(replace(ENGINE, tail_chunks=False), (tier(),)), PlanConfig("pool", ("pool",)),
+                   resume([1100], 1, grow=100))
+    assert off.loaded_tokens["pool"].tolist() == [1024]
+    assert off.bytes_read == {"pool": 1024 * 8}
+
+
+@pytest.mark.parametrize(("again", "loaded"), [(1089, 1088), (1088, 1024), (1040, 1024)])
+def test_a_tail_is_found_only_when_the_prompt_runs_past_it(again: int, loaded: int) -> None:
+    # vLLM computes at least the prompt's last token: a resume of 1088 tokens can use 1072 (whole
+    # blocks short of it); the 1088-token prefix's tail (64 tokens) is the only one stored, so it
+    # then gets the four chunks alone.
+    populate = Phase(((Turn("s", 1100, 1, measured=False),),), 1, False, "populate")
+    resumed = Phase(((Turn("s", again, 1),),), 1, True, "resume")
+    r = simulate(MODEL, HardwareSpec(ENGINE, (tier(),)), PlanConfig("pool", ("pool",)), (populate, resumed))
+    assert r.loaded_tokens["pool"].tolist() == [loaded]
 
 
 def test_latency_is_paid_once_per_read() -> None:
@@ -83,8 +109,9 @@ def test_new_prompts_never_hit() -> None:
 
 
 def test_lru_evicts_the_oldest_session() -> None:
-    # Room for one 1024-token prefix: s1's write evicts s0.
-    hw = HardwareSpec(ENGINE, (tier(capacity=1024 * 8),))
+    # Room for one 1024-token prefix: s1's write evicts s0. Without tails, so that s0's resume
+    # (1100 tokens) stores 1024 again rather than 1088, too large for the tier.
+    hw = HardwareSpec(replace(ENGINE, tail_chunks=False), (tier(capacity=1024 * 8),))
     populate = tuple((Turn(f"s{i}", 1024, 1, measured=False),) for i in range(2))
     again = ((Turn("s1", 1100, 1),), (Turn("s0", 1100, 1),))  # newest first: s1 hits, then s0 misses
     r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), (Phase(populate, 1), Phase(again, 1, True)))

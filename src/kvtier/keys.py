@@ -141,6 +141,17 @@ def chunk_ids(namespace: Namespace, tokens: TokenIds, extra: bytes = b"",
     return out
 
 
+TAIL_PARTS = 4
+"""Tails (``tail_id``) are saved and looked for in steps of ``chunk_tokens / TAIL_PARTS``
+or one block, whichever is larger: at most ``TAIL_PARTS - 1`` extra lookups per request."""
+
+
+def tail_step(chunk_tokens: int, block_size: int) -> int:
+    """The tokens of one step of a tail (a multiple of ``block_size``); 0: a chunk is one block."""
+    step = -(-max(block_size, chunk_tokens // TAIL_PARTS) // block_size) * block_size
+    return step if step < chunk_tokens else 0
+
+
 def tail_id(namespace: Namespace, tokens: TokenIds, start: int, n: int, parent: bytes | None = None,
             extra: bytes = b"") -> ChunkId:
     """The identity of a *tail*: the ``n`` tokens from ``start`` (a multiple of ``chunk_tokens``)

@@ -4,7 +4,8 @@ For each (configuration, workload, concurrency) of the run the check rebuilds th
 suite drove from its own ``requests.jsonl``: the same sessions in the same order with the same
 prompt and output lengths, populate turns unmeasured, an engine restart before the resume turns
 (cold-resume), ``concurrency`` closed-loop users. Cached prefixes are *predicted* (what the
-populate turns stored, chunk-floored), not copied from the measured run; the measured cached
+populate turns stored: whole chunks, and tails where the run's connector kept them, see
+``ran_tails``), not copied from the measured run; the measured cached
 tokens are shown beside the prediction so a hit-rate miss is visible rather than hidden.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.plan.calibrate import Calibration, Record, calibrate, load_bench
+from kvtier.plan.calibrate import CONFIG_TIERS, Calibration, Record, calibrate, load_bench
 from kvtier.plan.sim import simulate
 from kvtier.plan.spec import HardwareSpec, PlanConfig, with_engine
 from kvtier.plan.workload import Phase, Turn
@@ -74,10 +75,24 @@ def rebuild_workload(records: Sequence[Record], config: str, workload: str, conc
     return tuple(phases)
 
 
+def ran_tails(config: str, configs: Sequence[Record], env: dict[str, Any]) -> bool:
+    """Whether ``config`` ran kvtier's connector with tails (``tail_chunks``): a kvtier
+    configuration whose connector counted tail saves at all (runs from before tails existed have
+    no such counter) and whose ``--kvtier-setting``s did not turn them off."""
+    if config not in CONFIG_TIERS:
+        return False
+    settings = (env.get("settings") or {}).get("kvtier_settings") or {}
+    if settings.get("tail_chunks") is False:
+        return False
+    return any("tail_saves" in ((doc or {}).get("connector") or {})
+               for entry in configs if entry.get("config") == config
+               for doc in (entry.get("kvtier_metrics") or {}).values())
+
+
 def check(bench_dir: str | Path, *, concurrency: int = 1, probe: dict[str, Any] | None = None
           ) -> tuple[Calibration, list[Cell]]:
     """Calibrate at ``concurrency`` and predict TTFT p50 of every (config, workload, concurrency)."""
-    records = load_bench(bench_dir)[0]
+    records, configs, env = load_bench(bench_dir)
     cal = calibrate(bench_dir, probe=probe, concurrency=concurrency)
     cells = []
     groups = sorted({(str(r.get("workload")), str(r.get("config")), int(r.get("concurrency") or 0))
@@ -93,6 +108,7 @@ def check(bench_dir: str | Path, *, concurrency: int = 1, probe: dict[str, Any] 
         hw = cal.hardware([config]) if config != "recompute" else HardwareSpec(cal.engine)
         if config in CONNECTOR_CHUNK_TOKENS:
             hw = with_engine(hw, chunk_tokens=CONNECTOR_CHUNK_TOKENS[config])
+        hw = with_engine(hw, tail_chunks=ran_tails(config, configs, env))
         plan = PlanConfig(config, tuple(t.name for t in hw.tiers))
         result = simulate(cal.model, hw, plan, rebuild_workload(records, config, workload, c))
         predicted_cached = int(result.hbm_tokens.sum() + sum(v.sum() for v in result.loaded_tokens.values()))

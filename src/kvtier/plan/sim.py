@@ -4,7 +4,9 @@ The engine is modelled as vLLM schedules it: a loop of *steps*. Each step first 
 decoding request one token, then admits waiting requests first-come-first-served into the rest of
 a ``max_batched_tokens`` budget (chunked prefill). On admission a request gets, in this order:
 the engine's own prefix cache (HBM, LRU over sessions, block-granular), then the longest
-chunk-granular prefix the tiers hold (host, disk, pool: each tier LRU within its byte budget),
+prefix the tiers hold (host, disk, pool: each tier LRU within its byte budget): whole chunks,
+then, with ``tail_chunks``, the tail after them in steps of ``keys.tail_step`` tokens (a tail's
+read costs a full chunk's bytes, as its file holds one),
 and the load-or-recompute decision of ``kvtier.policy``, the rule the connector's scheduler
 decides by: load only if ``bytes / tier bandwidth + latency`` is less than prefilling those
 tokens (the connector's latency term is 0: the rates its workers measure already include it).
@@ -14,9 +16,10 @@ so the model overstates what a load costs its neighbours), so the step lasts
 ``overhead + sum over tiers (bytes read in this step / bandwidth + latency) + prefill + decode``:
 read-backs admitted together share the tier's bandwidth, and every request in a step waits for
 the whole step. Runs of decode-only steps are advanced in bulk up to the next event, which keeps
-10,000 sessions to seconds. Newly prefilled full chunks are written to every tier of the
-configuration; lower tiers write in the background through a bounded queue, and a write that
-would wait more than ``write_queue_s`` is dropped (counted), as the connector's writer drops it.
+10,000 sessions to seconds. Newly prefilled full chunks (with ``tail_chunks``, and the prompt's
+tail) are written to every tier of the configuration; lower tiers write in the background
+through a bounded queue, and a write that would wait more than ``write_queue_s`` is dropped
+(counted), as the connector's writer drops it.
 
 With ``instances = N`` one instance is simulated and the others are assumed to be its mirror
 image: a shared tier gives it ``1/N`` of its bandwidth and capacity, and a session's later turn
@@ -41,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.keys import tail_step
 from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig, TierSpec
 from kvtier.plan.workload import Phase, Turn, Workload
 from kvtier.policy import Read, pays_off, predicted_load_s
@@ -210,6 +214,7 @@ class _Simulation:
         self.tiers = [_LRUTier(hw.tier(name), self.instances, self.bpt, self.lost) for name in config.tiers]
         self.kv_cap = math.inf if self.eng.hbm_kv_bytes is None else self.eng.hbm_kv_bytes // self.bpt
         self.chunk, self.block = self.eng.chunk_tokens, self.eng.block_tokens
+        self.tail = tail_step(self.chunk, self.block) if self.eng.tail_chunks else 0
         self.rng = random.Random(seed)
         self.hbm: OrderedDict[str, int] = OrderedDict()  # session -> tokens the engine's prefix cache holds
         self.hbm_cached = 0  # tokens in ``hbm``
@@ -242,17 +247,19 @@ class _Simulation:
         hbm_hit = min(cached // block * block, cap)
         self.hbm_running += r.prompt + r.output
         self.evict_hbm()
-        cover, segments = self._tier_cover(r, hbm_hit, (r.prompt - 1) // chunk * chunk)
+        cover, segments = self._tier_cover(r, hbm_hit)
         ext = max(0, cover - hbm_hit)
         r.wanted_tokens = max(hbm_hit, cover)
         loaded = 0
         if ext > 0:
             tiers = self.tiers
-            predicted = predicted_load_s(Read(n * self.bpt, tiers[i].read_bytes_per_s, tiers[i].spec.latency_s)
-                                         for i, n in segments)
+            pad = -cover % chunk  # a tail (read last) costs a full chunk's bytes: its file holds one
+            nbytes = [(i, (n + (pad if j == len(segments) - 1 else 0)) * self.bpt) for j, (i, n) in enumerate(segments)]
+            predicted = predicted_load_s(Read(b, tiers[i].read_bytes_per_s, tiers[i].spec.latency_s) for i, b in nbytes)
             if pays_off(predicted, self.eng.prefill_s(ext, hbm_hit)):
+                for i, b in nbytes:
+                    step_bytes[i] = step_bytes.get(i, 0) + b
                 for i, n in segments:
-                    step_bytes[i] = step_bytes.get(i, 0) + n * self.bpt
                     r.loaded[tiers[i].spec.name] = n
                 loaded = ext
         prior = min(max(self.lost.pop(r.session, 0), self.lost_hbm.pop(r.session, 0)), cap)
@@ -261,14 +268,30 @@ class _Simulation:
         r.hbm_tokens = hbm_hit
         r.computed = hbm_hit + loaded
 
-    def _tier_cover(self, r: _Req, hbm_hit: int, tier_cap: int) -> tuple[int, list[tuple[int, int]]]:
+    def _usable(self, held: int, prompt: int) -> int:
+        """Of the ``held`` tokens a tier stored for a session, those a lookup for ``prompt`` finds:
+        whole chunks short of the prompt's last token (the engine computes at least one), then
+        the tail stored after the last of them if it also ends short of it (only the tail of
+        one length is stored after a chunk, so a longer one is not found at all)."""
+        chunks = (prompt - 1) // self.chunk * self.chunk
+        if not self.tail:
+            return min(held, chunks)
+        cap = chunks + ((prompt - 1) // self.block * self.block - chunks) // self.tail * self.tail
+        return held if held <= cap else min(held // self.chunk * self.chunk, chunks)
+
+    def _stored(self, tokens: int) -> int:
+        """Of a prompt of ``tokens`` tokens, those a save stores: whole chunks, then its tail."""
+        chunks = tokens // self.chunk * self.chunk
+        return chunks + ((tokens - chunks) // self.tail * self.tail if self.tail else 0)
+
+    def _tier_cover(self, r: _Req, hbm_hit: int) -> tuple[int, list[tuple[int, int]]]:
         """Tokens the tiers cover, and ``(tier index, tokens beyond HBM)`` read from each."""
         cover = 0
         segments: list[tuple[int, int]] = []
         for i, tier in enumerate(self.tiers):
             if not r.local and not tier.spec.shared:
                 continue
-            have = min(tier.get(r.session), tier_cap)
+            have = self._usable(tier.get(r.session), r.prompt)
             if have > cover:
                 beyond = have - max(cover, hbm_hit)
                 if beyond > 0:
@@ -277,7 +300,7 @@ class _Simulation:
         return cover, segments
 
     def store(self, r: _Req) -> None:
-        tokens = r.prompt // self.chunk * self.chunk
+        tokens = self._stored(r.prompt)
         if tokens <= 0:
             return
         for tier in self.tiers:

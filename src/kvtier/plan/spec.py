@@ -126,6 +126,9 @@ class EngineSpec:
     when ``b > 0`` requests decode in it, ``decode_step_s + b * decode_per_seq_s +
     decode_context_s * (sum of their context tokens)``. ``request_overhead_s`` is paid once per
     request outside the engine (HTTP, tokenizer) and delays its arrival.
+    ``tail_chunks`` (the vLLM connector's setting, on by default there) also keeps the prompt's
+    blocks after its last full chunk, in steps of ``keys.tail_step`` tokens, as one *tail* whose
+    read costs a full chunk's bytes; off, the tiers hold whole chunks only (LMCache, SGLang).
     ``hbm_kv_bytes`` is HBM (or CPU KV space) for KV over all ranks; ``None`` means unlimited.
     """
 
@@ -140,6 +143,7 @@ class EngineSpec:
     block_tokens: int = 16
     chunk_tokens: int = 256
     request_overhead_s: float = 0.0
+    tail_chunks: bool = True
 
     def __post_init__(self) -> None:
         _positive("engine", "prefill_tokens_per_s", self.prefill_tokens_per_s)
@@ -152,6 +156,8 @@ class EngineSpec:
                 raise ValueError(f"engine.{name} must be a positive int, got {value!r}")
         if self.hbm_kv_bytes is not None:
             _positive("engine", "hbm_kv_bytes", self.hbm_kv_bytes, zero_ok=True)
+        if not isinstance(self.tail_chunks, bool):
+            raise ValueError(f"engine.tail_chunks must be true or false, got {self.tail_chunks!r}")
 
     def prefill_s(self, num_tokens: int, context_tokens: int) -> float:
         """Seconds to prefill ``num_tokens`` after ``context_tokens`` already in KV."""

@@ -74,7 +74,7 @@ from kvtier.integrations.vllm.profile import Profiler
 from kvtier.integrations.vllm.requests import PendingLookup, RequestState, Tail
 from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
 from kvtier.integrations.vllm.views import request_extra
-from kvtier.keys import ChunkId, Namespace, chunk_ids, tail_id
+from kvtier.keys import ChunkId, Namespace, chunk_ids, tail_id, tail_step
 from kvtier.policy import Rates, Read, pays_off, predicted_load_s
 from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
@@ -96,15 +96,6 @@ LOOKUP_BUSY_WAIT_S = 0.001
 (32 chunks' stats: 0.16 ms), and an answer in this call saves the request a whole engine step
 (at concurrency 2, another request's prefill: hundreds of ms on a CPU), for at most this
 much delay to the step, once per request."""
-TAIL_PARTS = 4
-"""Tails (``keys.tail_id``) are saved and looked for in steps of ``chunk_tokens / TAIL_PARTS``
-or one block, whichever is larger: at most ``TAIL_PARTS - 1`` extra lookups per request."""
-
-
-def tail_step(chunk_tokens: int, block_size: int) -> int:
-    """The tokens of one step of a tail (a multiple of ``block_size``); 0: a chunk is one block."""
-    step = -(-max(block_size, chunk_tokens // TAIL_PARTS) // block_size) * block_size
-    return step if step < chunk_tokens else 0
 
 
 class SchedulerRole:
