@@ -11,7 +11,9 @@ warm-up request, and stops it. Variants (``--variants``):
   of the connector's presence (vLLM's CPU binding, the hooks);
 * ``host``: kvtier saving into host DRAM only (the gather on the engine thread);
 * ``pool``: kvtier saving into host DRAM and an fs pool (the background writer), the default
-  deployment.
+  deployment;
+* ``pool-no-tails``: the same with ``tail_chunks: false`` (whole chunks only): what saving each
+  prompt's tail adds.
 
 Every server gets the same arguments and environment (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, as
 the suite). Printed: each variant's mean and median TTFT (medians over repeats) and the ratio
@@ -41,7 +43,7 @@ from kvtier.bench.model import ensure_model
 from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
 
-VARIANTS = ("plain", "connector", "host", "pool")
+VARIANTS = ("plain", "connector", "host", "pool", "pool-no-tails")
 
 
 def settings(variant: str, work: Path) -> dict[str, Any] | None:
@@ -52,8 +54,9 @@ def settings(variant: str, work: Path) -> dict[str, Any] | None:
         return {**base, "host_bytes": 0, "load_policy": "never"}
     if variant == "host":
         return {**base, "host_bytes": "1GiB"}
-    if variant == "pool":
-        return {**base, "host_bytes": "1GiB", "pool_url": f"fs://{work / 'pool'}", "pool_bytes": "16GiB"}
+    if variant in ("pool", "pool-no-tails"):
+        pool = {**base, "host_bytes": "1GiB", "pool_url": f"fs://{work / 'pool'}", "pool_bytes": "16GiB"}
+        return pool if variant == "pool" else {**pool, "tail_chunks": False}
     raise ValueError(f"variant {variant!r}; use {', '.join(VARIANTS)}")
 
 
