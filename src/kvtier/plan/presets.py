@@ -31,6 +31,7 @@ SEED_HARDWARE: dict[str, Any] = {
         "hbm_kv_bytes": 800 * 10**9,
         "block_tokens": 16,
         "chunk_tokens": 256,  # LMCache's chunk
+        "tail_chunks": False,  # LMCache keeps whole chunks only (kvtier's vLLM connector adds tails)
     },
     "tiers": {
         # Host DRAM (LMCache L1): emptied by the restart of a cold resume, so it never hits here.
