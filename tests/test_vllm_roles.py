@@ -73,6 +73,10 @@ def test_a_bad_connector_setting_names_itself() -> None:
         ConnectorConfig.split({"load_policy": "sometimes"})
     with pytest.raises(ValueError, match="min_load_tokens"):
         ConnectorConfig.split({"min_load_tokens": -1})
+    with pytest.raises(ValueError, match="load_coalesce_ms: at most 1000"):
+        ConnectorConfig.split({"load_coalesce_ms": 60_000})  # it would hold up every step for a minute
+    with pytest.raises(ValueError, match="load_coalesce_ms: must be >= 0"):
+        ConnectorConfig.split({"load_coalesce_ms": -1})
     cfg, rest = ConnectorConfig.split({"read_gbps": "2.5", "pool_url": "fs:///p", "prefill_tokens_per_s": 0})
     assert cfg.read_gbps == 2.5 and cfg.prefill_tokens_per_s is None and rest == {"pool_url": "fs:///p"}
 

@@ -227,3 +227,44 @@ def test_pool_evictions_are_read_off_the_engine_thread(tmp_path: Any) -> None:
     time.sleep(0.1)
     assert reader.drain()[0] == ("pool", b"k" * 32)
     reader.close()
+
+
+def _two_loads(tmp_path: Any, coalesce_ms: float, partner_chunks: int) -> tuple[list[set[str]], WorkerRole]:
+    """Two background loads started in one step, ``a`` of 2 chunks and ``b`` of ``partner_chunks``,
+    every read 60 ms: the sets of requests that ``get_finished`` reported, polled every 10 ms."""
+    populate(tmp_path, 4)
+    slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.06, "max_delay_s": 0.06, "ops": ["load"]}}
+    role, _ = worker(tmp_path, {"inject_faults": slow, "io_threads": 2, "load_coalesce_ms": coalesce_ms})
+    role.start_load_kv(KVTierMetadata(loads=[Load("a", ids(2), list(range(20, 20 + 2 * BPC)), background=True),
+                                             Load("b", ids(partner_chunks), list(range(40, 40 + partner_chunks * BPC)),
+                                                  background=True)]))
+    reports: list[set[str]] = []
+    for _ in range(300):
+        _, recved, _ = step(role)
+        if recved:
+            reports.append(recved)
+        if sum(map(len, reports)) == 2:
+            return reports, role
+        time.sleep(0.01)
+    raise AssertionError(f"loads never finished: {reports}")
+
+
+def test_loads_that_end_together_are_reported_in_one_step(tmp_path: Any) -> None:
+    # When a's load is over, b's has read 2 of 3 chunks in as long: about 60 ms left.
+    reports, role = _two_loads(tmp_path, coalesce_ms=500, partner_chunks=3)
+    assert reports == [{"a", "b"}]
+    assert role.counters["coalesced_loads"] == 1
+    role.close()
+
+
+def test_without_coalescing_or_past_its_budget_each_load_is_reported_when_it_ends(tmp_path: Any) -> None:
+    reports, role = _two_loads(tmp_path, coalesce_ms=0, partner_chunks=3)
+    assert reports == [{"a"}, {"b"}]
+    role.close()
+    # b has 2 more chunks to read than a (about 120 ms): beyond a 30 ms budget, not waited for.
+    t0 = time.monotonic()
+    reports, role = _two_loads(tmp_path / "far", coalesce_ms=30, partner_chunks=4)
+    assert reports == [{"a"}, {"b"}]
+    assert role.counters["coalesced_loads"] == 0
+    role.close()
+    assert time.monotonic() - t0 < 5

@@ -108,6 +108,6 @@ def kvtier_setting(text: str) -> tuple[str, Any]:
 # The vLLM connector's own settings that a suite run may set: ConnectorConfig.KEYS less the
 # suite's and the tests' own. A copy because importing kvtier.integrations.vllm imports vLLM;
 # tests/test_bench_offloading.py holds the two equal.
-CONNECTOR_KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
-                  "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers",
-                  "events_max_chunks")
+CONNECTOR_KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode",
+                  "load_coalesce_ms", "save_decode", "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s",
+                  "trust_mm_identifiers", "events_max_chunks")

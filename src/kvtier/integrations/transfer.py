@@ -66,12 +66,36 @@ class Loaded:
     """Seconds copying them into the blocks, summed over them."""
 
 
+class LoadProgress:
+    """How far a load has come: written by the threads that copy its chunks, read by others.
+
+    An estimate for scheduling decisions only (``LoadJob.eta_s``), never for correctness."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.started = 0.0  # time.monotonic() at the load's first read; 0.0 until then
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:  # sinks run on several I/O threads at once
+            self.done += 1
+
+    def eta_s(self, now: float) -> float | None:
+        """Seconds left at the rate of the chunks copied so far; None before the first one."""
+        done, started = self.done, self.started
+        if not done or not started:
+            return None
+        return max(0.0, (now - started) * (self.total - done) / done)
+
+
 class LoadJob:
     """A load running in the background (``PageMover.submit_load``)."""
 
-    def __init__(self, future: cf.Future[Loaded], stop: threading.Event) -> None:
+    def __init__(self, future: cf.Future[Loaded], stop: threading.Event, progress: LoadProgress) -> None:
         self._future = future
         self._stop = stop
+        self.progress = progress
         self.submitted = time.monotonic()
 
     def stop(self) -> None:
@@ -81,10 +105,19 @@ class LoadJob:
     def done(self) -> bool:
         return self._future.done()
 
+    def eta_s(self, now: float) -> float | None:
+        """Seconds until it is done at its rate so far (0 once done); None while no chunk is in."""
+        return 0.0 if self.done() else self.progress.eta_s(now)
+
     @staticmethod
     def wait_any(jobs: Collection[LoadJob], timeout: float) -> None:
         """Return once any of ``jobs`` is done, or after ``timeout`` seconds."""
         cf.wait([j._future for j in jobs], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    @staticmethod
+    def wait_all(jobs: Collection[LoadJob], timeout: float) -> None:
+        """Return once all of ``jobs`` are done, or after ``timeout`` seconds."""
+        cf.wait([j._future for j in jobs], timeout=timeout, return_when=cf.ALL_COMPLETED)
 
     def result(self, timeout: float | None = None) -> Loaded:
         """What it delivered (blocks until done). A load that raised delivered nothing usable."""
@@ -156,7 +189,7 @@ class PageMover:
 
     def load(self, ids: Sequence[ChunkId], block_ids: Sequence[int | None],
              stop: threading.Event | None = None, after: Any = None, tenant_salt: str | None = None,
-             tiers: Sequence[str] | None = None) -> Loaded:
+             tiers: Sequence[str] | None = None, progress: LoadProgress | None = None) -> Loaded:
         """Read the cached prefix of ``ids`` into ``block_ids`` (``blocks_per_chunk`` per chunk; a
         None entry leaves that block alone) and return what was delivered. Blocks after the
         delivered prefix may hold partial data and must be recomputed by the caller.
@@ -164,7 +197,8 @@ class PageMover:
         With head shards, ``ids`` holds ``shards`` ids per chunk of blocks, in shard order (the
         chunk's first shard, its second, ..., then the next chunk's). ``tenant_salt``: the
         namespace the ids were made in (None: the store's own). ``tiers``: where a lookup found
-        each id (``TieredStore.load_into``): no second lookup."""
+        each id (``TieredStore.load_into``): no second lookup. ``progress``: counts each id
+        copied into its blocks."""
         bpc, paged, k = self.blocks_per_chunk, self.paged, self.shards
         if after is None:
             after = self._compute_done()
@@ -177,14 +211,18 @@ class PageMover:
             blocks = block_ids[chunk * bpc:(chunk + 1) * bpc]
             if stream is None:
                 paged.scatter(data, blocks, shard)
-                return
-            with torch.cuda.stream(stream):
-                paged.scatter(data, blocks, shard)
-                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                done.record(stream)
-            done.synchronize()  # ``data`` is the store's only until this returns
+            else:
+                with torch.cuda.stream(stream):
+                    paged.scatter(data, blocks, shard)
+                    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    done.record(stream)
+                done.synchronize()  # ``data`` is the store's only until this returns
+            if progress is not None:
+                progress.add()
 
         started, t0 = time.monotonic(), time.perf_counter()
+        if progress is not None:
+            progress.started = started
         # vLLM's prefix cache keeps what is loaded: no need to promote it into host DRAM too.
         result = self.store.load_into(ids, sink, promote=False, stop=stop, tenant_salt=tenant_salt, tiers=tiers)
         whole = result.num_chunks // k  # a chunk counts once every one of its shards is in
@@ -196,8 +234,9 @@ class PageMover:
         """``load`` in the background; ordered after the engine's work queued so far."""
         stop = threading.Event()
         after = self._compute_done()
+        progress = LoadProgress(len(ids))
         return LoadJob(self._loader.submit(self.load, list(ids), list(block_ids), stop, after, tenant_salt,
-                                           None if tiers is None else list(tiers)), stop)
+                                           None if tiers is None else list(tiers), progress), stop, progress)
 
     # ---------------------------------------------------------------- saves
 

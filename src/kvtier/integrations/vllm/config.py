@@ -51,6 +51,9 @@ def _number(name: str, value: object, *, minimum: float = 0.0, strict: bool = Tr
     return number
 
 
+MAX_COALESCE_MS = 1000.0
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """The connector's own settings (units in the names), from ``kv_connector_extra_config``."""
@@ -68,6 +71,13 @@ class ConnectorConfig:
     """``async``: a request with a hit waits while its chunks are read in the background and
     the engine keeps running the others; ``sync``: the step that schedules it waits for the
     read (every running request stalls meanwhile; kept for comparison)."""
+    load_coalesce_ms: float = 10.0
+    """A background load that is over is reported at the end of the engine's step, and its
+    request is prefilled in the next. When other loads are still running then, the worker
+    waits up to this long for those that, at the rate they have read so far, will be done
+    within it, so that requests that arrived together are prefilled in one step rather than
+    one step apart (the later one waiting out the other's whole prefill). It delays that
+    step's end by at most this much. 0: report each load at the first step end after it."""
     save_decode: bool = True
     """Save the full chunks of a finished request's prompt *and* generated tokens, so the next
     turn of a conversation hits the previous answer too (the request's blocks are held until
@@ -109,7 +119,8 @@ class ConnectorConfig:
     file_settings: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The store settings of the ``config`` file (read by ``split``; never shown: it may hold secrets)."""
 
-    KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "save_decode",
+    KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "load_coalesce_ms",
+            "save_decode",
             "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks",
             "metrics_file", "profile_file", "config", "inject_faults")
 
@@ -124,6 +135,10 @@ class ConnectorConfig:
             raise ValueError(f"kvtier setting tail_chunks: expected true or false, got {self.tail_chunks!r}")
         object.__setattr__(self, "lookup_timeout_s", _number("lookup_timeout_s", self.lookup_timeout_s))
         object.__setattr__(self, "read_gbps", _number("read_gbps", self.read_gbps))
+        object.__setattr__(self, "load_coalesce_ms", _number("load_coalesce_ms", self.load_coalesce_ms, strict=False))
+        if self.load_coalesce_ms > MAX_COALESCE_MS:  # it holds up every running request's step
+            raise ValueError(f"kvtier setting load_coalesce_ms: at most {MAX_COALESCE_MS:g}, got "
+                             f"{self.load_coalesce_ms!r}")
         object.__setattr__(self, "retain_s", _number("retain_s", self.retain_s, strict=False))
         object.__setattr__(self, "max_retain_s", _number("max_retain_s", self.max_retain_s, strict=False))
         if not self.retain_s <= self.max_retain_s < 1e9:  # (and finite: os.utime must take it)

@@ -37,6 +37,9 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("disabled", None, "1 once the connector turned itself off (a KV layout it cannot handle)"),
     Counter("async_loads", "kvtier_background_loads_total",
             "Loads run in the background while the engine ran others"),
+    Counter("coalesced_loads", "kvtier_coalesced_loads_total",
+            "Background loads reported in the same step as another one because the worker waited for "
+            "them to end (load_coalesce_ms)", first_rank_only=True),
     Counter("stopped_loads", "kvtier_stopped_loads_total", "Loads stopped because their request was aborted",
             first_rank_only=True),
     Counter("lookup_timeouts", "kvtier_lookup_timeouts_total",

@@ -15,7 +15,9 @@ pool. The bytes move through ``PageMover`` (``integrations/transfer.py``: stream
   chunks straight into the waiting request's blocks while the engine runs other requests, each
   from the tier the scheduler's lookup found it in (no second lookup; a lower tier only when it
   is gone from there);
-  ``get_finished`` reports it once it is done (on every rank: vLLM waits for all), and its
+  ``get_finished`` reports it once it is done (on every rank: vLLM waits for all; when one is
+  done, it waits up to ``load_coalesce_ms`` for others about to be, so that their requests are
+  prefilled in the same step), and its
   blocks that could not be read are reported through ``get_block_ids_with_load_errors`` in the
   same step (vLLM recomputes from there). A request aborted while loading stops its load; it
   is still reported finished, and only once no byte will be written to its blocks any more.
@@ -104,6 +106,7 @@ class WorkerRole:
         self._unavailable: list[str] = []  # tiers this rank's store left out, to report once
         self.profiles = connector_config.profile_file is not None  # the scheduler keeps a resume profile
         self._load_times: list[LoadTime] = []
+        self.coalesce_s = connector_config.load_coalesce_ms / 1e3
 
     def _disable(self, why: str) -> None:
         self.disabled = True
@@ -297,11 +300,15 @@ class WorkerRole:
             # No forward pass in this step: nobody decodes, and the engine would only spin
             # empty steps until a load is done. Waiting a little here reports it sooner.
             LoadJob.wait_any([job for job, _ in self._jobs.values()], IDLE_WAIT_S)
-        for req_id, (job, load) in list(self._jobs.items()):
-            if job.done():
-                del self._jobs[req_id]
-                self._finish_load(load, job.result(), job.submitted)
-                self._recved.add(req_id)
+        if self._collect_loads() and self._jobs and self.coalesce_s:
+            # Requests whose loads end together are prefilled together: wait a little for the
+            # loads about to end rather than leave them a whole step (a prefill) behind.
+            now = time.monotonic()
+            soon = [job for job, _ in self._jobs.values()
+                    if (eta := job.eta_s(now)) is not None and eta <= self.coalesce_s]
+            if soon:
+                LoadJob.wait_all(soon, self.coalesce_s)
+                count(self.counters, "coalesced_loads", n=self._collect_loads())
         recved, self._recved = self._recved, set()
         mover = self.mover
         if mover is not None:
@@ -309,6 +316,15 @@ class WorkerRole:
         sent = {r for r in self._holding if mover is None or not mover.saves_pending(r)}
         self._holding -= sent
         return sent or None, recved or None
+
+    def _collect_loads(self) -> int:
+        """Move the background loads that are over to ``_recved``; how many there were."""
+        done = [(req_id, job, load) for req_id, (job, load) in self._jobs.items() if job.done()]
+        for req_id, job, load in done:
+            del self._jobs[req_id]
+            self._finish_load(load, job.result(), job.submitted)
+            self._recved.add(req_id)
+        return len(done)
 
     def _tier_changes(self) -> list[TierChange]:
         """The disk and pool tiers' changes since the last report (first rank, KV events on)."""
