@@ -120,9 +120,8 @@ class ConnectorConfig:
     """The store settings of the ``config`` file (read by ``split``; never shown: it may hold secrets)."""
 
     KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "load_coalesce_ms",
-            "save_decode",
-            "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers", "events_max_chunks",
-            "metrics_file", "profile_file", "config", "inject_faults")
+            "save_decode", "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers",
+            "events_max_chunks", "metrics_file", "profile_file", "config", "inject_faults")
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
