@@ -15,7 +15,11 @@ splits the difference, every figure a median over ``--repeats`` in the same proc
 * ``scatter``: ``PagedKV.scatter`` of every chunk, already in memory, into a cache shaped as
   vLLM's CPU backend shapes it (per layer ``[blocks, 2 heads, 128 tokens, 2 x 64]`` bf16), each
   chunk into the two consecutive blocks of its head shard: the connector's copy, in one thread;
-* ``store_scatter``: ``load_into`` with that scatter as the sink (the connector's load);
+* ``store_scatter``: ``load_into`` with that scatter as the sink (the connector's load before
+  reads in place);
+* ``store_place``: ``load_into`` with a ``Placement`` on the same cache (the connector's load
+  now): each warm file is read straight into its blocks (``PagedKV.page_views``), no scatter.
+  The blocks are checked to hold what ``store_scatter`` put there;
 * ``store_copy_cold`` (``--cold``): the same with the files dropped from the page cache first,
   so that reads go to the device (and, slower than ``FAST_READ_S``, spread over the I/O threads).
 
@@ -40,6 +44,7 @@ import torch
 from kvtier import KVLayout, StoreConfig, TieredStore
 from kvtier.integrations.paged import PagedKV, head_dim_of
 from kvtier.probe.fs import drop_cache
+from kvtier.reader import Placement
 from kvtier.tiers.base import aligned_buffer
 
 
@@ -110,17 +115,19 @@ def _tier_serial(store: TieredStore, ids: list[Any], repeats: int) -> float:
 
 
 def _store(store: TieredStore, ids: list[Any], sink: Callable[[int, torch.Tensor], None], repeats: int,
-           before: Callable[[], Any] | None = None) -> float:
+           before: Callable[[], Any] | None = None, place: Placement | None = None) -> float:
     def run() -> None:
-        got = store.load_into(ids, sink, promote=False)
+        got = store.load_into(ids, sink, promote=False, place=place)
         assert got.num_chunks == len(ids), got
 
     return _median_ms(run, repeats, before)
 
 
-def _scatter_sink(chunks: int, shards: int) -> Callable[[int, torch.Tensor], None]:
+def _scatter_sink(chunks: int, shards: int) -> tuple[Callable[[int, torch.Tensor], None], Placement,
+                                                     list[torch.Tensor]]:
     """A sink that scatters store chunk ``i`` (chunk ``i // shards``'s head ``i % shards``) into its
-    two blocks of a vLLM-CPU-shaped cache (4 layers, ``shards`` KV heads, 128-token blocks)."""
+    two blocks of a vLLM-CPU-shaped cache (4 layers, ``shards`` KV heads, 128-token blocks), the
+    ``Placement`` that reads it there instead, and the cache's tensors."""
     blocks = 2 * chunks + 64  # the chunks' blocks come after others, as in a running engine
     layers = [torch.zeros(blocks, shards, 128, 128, dtype=torch.bfloat16) for _ in range(4)]
     paged = PagedKV(layers, blocks, heads=shards, head_dims=[head_dim_of(t, shards) for t in layers])
@@ -129,7 +136,11 @@ def _scatter_sink(chunks: int, shards: int) -> Callable[[int, torch.Tensor], Non
         chunk, shard = divmod(i, shards)
         paged.scatter(data, [64 + 2 * chunk, 65 + 2 * chunk], shard)
 
-    return scatter
+    def views(i: int) -> list[memoryview] | None:
+        chunk, shard = divmod(i, shards)
+        return paged.page_views([64 + 2 * chunk, 65 + 2 * chunk], shard)
+
+    return scatter, Placement(views, lambda i: None), layers
 
 
 def _scatter_only(store: TieredStore, ids: list[Any], scatter: Callable[[int, torch.Tensor], None],
@@ -168,11 +179,17 @@ def main() -> int:
             def copy(i: int, d: torch.Tensor, dst: torch.Tensor = dst) -> None:
                 dst[i].copy_(d.view(4, 2, 256, 64))
 
-            scatter = _scatter_sink(args.chunks, args.shards)
+            scatter, place, layers = _scatter_sink(args.chunks, args.shards)
             if "scatter_ms" not in results:
                 results["scatter_ms"] = _scatter_only(store, ids, scatter, args.repeats)
             results[f"store_noop_ms_io{threads}"] = _store(store, ids, lambda i, d: None, args.repeats)
             results[f"store_scatter_ms_io{threads}"] = _store(store, ids, scatter, args.repeats)
+            scattered = [t.clone() for t in layers]
+            for t in layers:
+                t.zero_()
+            results[f"store_place_ms_io{threads}"] = _store(store, ids, lambda i, d: None, args.repeats, place=place)
+            if not all(torch.equal(a, b) for a, b in zip(layers, scattered, strict=True)):
+                raise SystemExit("store_place left other bytes in the blocks than store_scatter")
             results[f"store_copy_ms_io{threads}"] = _store(store, ids, copy, args.repeats)
             if args.cold:
                 results[f"store_copy_cold_ms_io{threads}"] = _store(

@@ -255,3 +255,56 @@ def test_a_head_dimension_that_is_not_there_is_a_layout_error() -> None:
     assert head_dim_of(torch.empty(BLOCKS, 3, 3), HEADS) is None
     with pytest.raises(LayoutError, match="heads"):
         PagedKV(layers, BLOCKS, heads=3, head_dims=[1] * LAYERS)
+
+
+def _fill(views: list[memoryview], chunk: torch.Tensor) -> None:
+    """What a read in place does: the chunk's bytes into ``views``, in order."""
+    data, offset = chunk.numpy().tobytes(), 0
+    for view in views:
+        view[:] = data[offset:offset + view.nbytes]
+        offset += view.nbytes
+    assert offset == len(data)
+
+
+def _paged_of(case: str, layers: list[torch.Tensor], shards: bool) -> PagedKV:
+    if not shards:
+        return PagedKV(layers, BLOCKS)
+    return PagedKV(layers, BLOCKS, heads=HEADS, head_dims=[head_dim_of(t, HEADS) for t in layers])
+
+
+@pytest.mark.parametrize(("case", "shards"), [*((c, False) for c in sorted(CASES)),
+                                              *((c, True) for c in sorted(HEAD_CASES))])
+def test_page_views_filled_in_order_are_the_scatter_of_the_chunk(case: str, shards: bool) -> None:
+    # A read in place fills ``page_views`` with a chunk file's payload, in order: the blocks
+    # must then hold exactly what ``scatter`` of that payload puts there, for every layout it
+    # offers views of (and it must offer them for vLLM's CPU layout, whole or per head).
+    make = HEAD_CASES[case][1] if shards else CASES[case]
+    src_layers = make()
+    src = _paged_of(case, src_layers, shards)
+    chunk = chunk_for(src, 3)
+    src.gather([2, 3, 8], chunk, shard=shards * (HEADS - 1))
+    a_layers, b_layers = make(), make()
+    for a, b in zip(a_layers, b_layers, strict=True):
+        b.view(torch.uint8).copy_(a.view(torch.uint8))
+    a, b = _paged_of(case, a_layers, shards), _paged_of(case, b_layers, shards)
+    views = b.page_views([4, 5, 0], shards * (HEADS - 1))
+    if case == "cpu":
+        assert views is not None
+    if views is None:
+        return
+    assert all(v.readonly is False and v.contiguous for v in views)
+    a.scatter(chunk, [4, 5, 0], shards * (HEADS - 1))
+    _fill(views, chunk)
+    for x, y in zip(a_layers, b_layers, strict=True):
+        assert same_bytes(x, y)
+
+
+def test_page_views_refuse_what_a_read_cannot_fill() -> None:
+    layers = cpu_layout()
+    paged = PagedKV(layers, BLOCKS, heads=HEADS, head_dims=[head_dim_of(t, HEADS) for t in layers])
+    assert paged.page_views([1, None, 3]) is None  # a block the engine already holds: keep it
+    nhd = vllm_views(LAYOUTS["LBNHC"])
+    heads = PagedKV(nhd, BLOCKS, heads=HEADS, head_dims=[head_dim_of(t, HEADS) for t in nhd])
+    assert heads.page_views([1, 2]) is None  # one head of an NHD page is strided
+    whole = PagedKV(layers, BLOCKS).page_views([1, 2])
+    assert whole is not None and len(whole) == LAYERS  # consecutive whole blocks: one view per layer

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -181,3 +182,16 @@ class ChunkSpec:
         if payload_checksum(payload) != header.payload_xxh3:
             raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
         return payload
+
+    def decode_parts(self, head: bytes | memoryview, payload: Sequence[memoryview],
+                     chunk: ChunkId) -> None:
+        """``decode`` for a chunk file read in pieces: its header region ``head`` and its payload
+        spread over ``payload`` (in order; their sizes add up to ``payload_bytes``, which the
+        caller checked). Raises ChunkError as ``decode`` does."""
+        header = unpack_header(head)
+        self.check(header, chunk)
+        digest = xxhash.xxh3_64()  # streaming: the same digest as the whole payload's at once
+        for part in payload:
+            digest.update(part)
+        if digest.intdigest() != header.payload_xxh3:
+            raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)

@@ -18,7 +18,10 @@ Contracts (the store's module docstring has the caller's view):
 * The sink is never called after ``load`` returns (``_SinkGate``), not even by a read that
   outlived ``read_timeout_s``; reads still running are abandoned, never awaited.
 * Tier reads land in a host DRAM slot (``promote``: promotion without a copy) or, with no free
-  slot, in one of the store's recycled buffers (``BufferPool``).
+  slot, in one of the store's recycled buffers (``BufferPool``). A load with a ``Placement``
+  (and no ``promote``) lets tiers that can (``reads_in_place``: the disk tier and the pool) read
+  a page-cache hit straight into the caller's memory instead, validated there: no buffer, no
+  copy by the sink. Such a write is gated like a sink call (``Pages.enter``/``leave``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId
 from kvtier.results import PrefixLoad
 from kvtier.threads import Failures, ThreadInit, executor
-from kvtier.tiers.base import Level, Status, Tier
+from kvtier.tiers.base import Level, Pages, Status, Tier
 from kvtier.tiers.guard import TierGuard
 from kvtier.tiers.host import BufferPool, HostCache, Lease
 
@@ -67,6 +70,20 @@ served (``LoadResult.from_cache``) never count, however long they took: in vLLM'
 second thread only added a third runnable thread."""
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a load may read chunks straight into the caller's memory (``load_into``'s ``place``).
+
+    ``views(index)``: writable byte buffers for chunk ``index``'s payload, in payload order,
+    their sizes adding up to the chunk's payload (``tiers.base.Pages``), or None: hand that
+    chunk to the sink. ``landed(index)``: called, on an I/O thread, once chunk ``index`` was
+    read and validated there (instead of the sink); it must not write to the views.
+    """
+
+    views: Callable[[int], Sequence[memoryview] | None]
+    landed: Callable[[int], None]
+
+
 class _Gone(Exception):
     """A tier read's outcome: the chunk was not there (missing, corrupt, unreadable). Raised
     rather than returned so that it wakes a caller waiting for the rest of the reads."""
@@ -75,7 +92,7 @@ class _Gone(Exception):
 @dataclass(frozen=True)
 class _Loaded:
     tier: str
-    lease: Lease
+    lease: Lease | None  # None: read in place (``Placement``)
     from_cache: bool = False
 
 
@@ -134,6 +151,7 @@ class _Load:
     copy_s: list[float]
     gate: _SinkGate
     from_cache: list[bool]
+    place: Placement | None = None
 
     def hand(self, index: int, data: torch.Tensor) -> None:
         """The caller's sink, timed into ``copy_s``."""
@@ -168,11 +186,14 @@ class PrefixReader:
         self._io_lock = threading.Lock()
 
     def load(self, ids: Sequence[ChunkId], located: Sequence[Level], tiers: Sequence[Tier], spec: ChunkSpec,
-             sink: Sink, *, promote: bool, stop: threading.Event | None) -> PrefixLoad:
-        """Hand chunks ``ids[i]`` to ``sink`` from ``located[i]`` (host DRAM or a tier: where a
-        lookup found them), falling back on the ``tiers`` below; what ``load_into`` returns."""
+             sink: Sink, *, promote: bool, stop: threading.Event | None,
+             place: Placement | None = None) -> PrefixLoad:
+        """Hand chunks ``ids[i]`` to ``sink`` (or read them in place, ``place``) from ``located[i]``
+        (host DRAM or a tier: where a lookup found them), falling back on the ``tiers`` below;
+        what ``load_into`` returns."""
         n = len(located)
-        load = _Load(ids, list(tiers), spec, sink, promote, stop, [0.0] * n, [0.0] * n, _SinkGate(), [False] * n)
+        load = _Load(ids, list(tiers), spec, sink, promote, stop, [0.0] * n, [0.0] * n, _SinkGate(), [False] * n,
+                     None if promote else place)
         # Host DRAM chunks are lent in place, on this thread; tier reads run on the tier's own
         # I/O threads, each tier's chunks queued at once, in order.
         futures: list[cf.Future[str | None] | None] = []
@@ -335,11 +356,15 @@ class PrefixReader:
         if not load.gate.is_open:
             return None  # the load returned (or gave up on this chunk) before the read started
         t0 = time.perf_counter()
-        got = self._read(load.ids[index], tier, load.spec, load.promote)
+        got = self._read(load, index, tier)
         load.read_s[index] += time.perf_counter() - t0
         if got is None:
             raise _Gone
         load.from_cache[index] = got.from_cache
+        if got.lease is None:  # read in place, validated there
+            assert load.place is not None
+            load.place.landed(index)
+            return got.tier
         try:
             if not load.gate.enter():
                 return None  # the load returned without this chunk: its buffers are not ours
@@ -351,9 +376,16 @@ class PrefixReader:
             got.lease.release()
         return got.tier
 
-    def _read(self, cid: ChunkId, tier: Tier, spec: ChunkSpec, promote: bool) -> _Loaded | None:
-        """One tier's read, straight into a host DRAM slot (promotion without a copy); with no
-        host DRAM, no free slot or ``promote=False``, into a recycled buffer."""
+    def _read(self, load: _Load, index: int, tier: Tier) -> _Loaded | None:
+        """One tier's read of chunk ``index``, straight into a host DRAM slot (promotion without a
+        copy); with no host DRAM, no free slot or ``promote=False``, into a recycled buffer, or
+        into the load's ``Placement`` where the tier can read it there."""
+        cid, spec, promote = load.ids[index], load.spec, load.promote
+        pages = None
+        if load.place is not None and getattr(tier, "reads_in_place", False):
+            views = load.place.views(index)
+            if views is not None:
+                pages = Pages(views, load.gate.enter, load.gate.leave)
         host = self.host if promote else None
         slot = host.reserve() if host is not None else None
         into = host.slot_buffer(slot) if host is not None and slot is not None else self._buffers.take()
@@ -365,10 +397,13 @@ class PrefixReader:
                 self._buffers.give(into)
 
         try:
-            result = tier.load(cid, spec, into)
+            result = tier.load(cid, spec, into) if pages is None else tier.load(cid, spec, into, pages=pages)  # type: ignore[call-arg]
         except BaseException:
             give_back()
             raise
+        if result.ok and result.in_place:
+            give_back()
+            return _Loaded(tier.name, None, result.from_cache)
         if result.ok and result.chunk is not None:
             if host is not None and slot is not None:
                 return _Loaded(tier.name, host.commit(slot, cid), result.from_cache)

@@ -60,7 +60,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
 from kvtier.layout import DTYPE_CODES, KVLayout
 from kvtier.metrics import TierMetrics, new_registry
-from kvtier.reader import STOP_POLL_S, PrefixReader, Sink
+from kvtier.reader import STOP_POLL_S, Placement, PrefixReader, Sink
 from kvtier.results import LoadedChunk, LookupResult, PendingPut, PrefixLoad, PutResult
 from kvtier.retention import Retention
 from kvtier.threads import Failures, ThreadInit
@@ -73,7 +73,7 @@ from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 __all__ = ["MAX_DESCRIBED", "MAX_SPECS", "STOP_POLL_S", "BufferPool", "LoadedChunk", "LookupResult", "PendingPut",
-           "PrefixLoad", "PutResult", "TieredStore"]
+           "Placement", "PrefixLoad", "PutResult", "TieredStore"]
 ChunkData = torch.Tensor | Callable[[torch.Tensor], None]
 """A chunk to store: the tensor, or a function that fills the store's buffer with it."""
 MAX_SPECS = 4096  # chunk specs kept, one per namespace (each cache_salt is one)
@@ -253,7 +253,8 @@ class TieredStore:
 
     def load_into(self, ids: Sequence[ChunkId], sink: Sink, *,
                   tenant_salt: str | None = None, promote: bool = True,
-                  stop: threading.Event | None = None, tiers: Sequence[str] | None = None) -> PrefixLoad:
+                  stop: threading.Event | None = None, tiers: Sequence[str] | None = None,
+                  place: Placement | None = None) -> PrefixLoad:
         """Hand the cached prefix of ``ids`` to ``sink(index, data)``, reading on the I/O threads.
 
         This is the fast path for callers that copy chunks somewhere (an output tensor, an
@@ -271,6 +272,10 @@ class TieredStore:
         ``tiers``: where a lookup already found each chunk (tier names, as ``LookupResult.chunk_tiers``):
         no lookup is repeated; each chunk is read from host DRAM if it holds it, else from that
         tier, and from the tiers below only when it is not there (at most ``len(tiers)`` chunks).
+        ``place`` (with ``promote=False``): where chunks may be read straight into the caller's
+        memory (``reader.Placement``); a chunk the disk tier or the pool serves from the page
+        cache of a local filesystem lands there, validated, without a copy or a sink call, and
+        the bytes of a chunk that failed there are garbage (as a sink's partial copies are).
         """
         self._check_open()
         spec = self._spec(self._namespace(tenant_salt))
@@ -279,7 +284,7 @@ class TieredStore:
             self.store_metrics.add(load_lookups=len(ids))
         else:
             located = locate_named(self.host, self.tiers, self._guard, ids, tiers)
-        return self._reader.load(ids, located, self.tiers, spec, sink, promote=promote, stop=stop)
+        return self._reader.load(ids, located, self.tiers, spec, sink, promote=promote, stop=stop, place=place)
 
     def iter_chunks(self, ids: Sequence[ChunkId], *, tenant_salt: str | None = None) -> Iterator[LoadedChunk]:
         """The cached prefix of ``ids`` as ``LoadedChunk``s, in order (a copy of each chunk).

@@ -27,6 +27,7 @@ whatever tensor-parallel size, holds it, as long as the layout is the same.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,6 +161,7 @@ class PagedKV:
             self.layer_block_bytes.append(sum(_run_bytes(r) for r in per_shard[0]))
         self.runs = self.shard_runs[0]
         self._np_runs: list[list[Any]] | None = None  # numpy views of ``shard_runs`` (CPU), made on first use
+        self._regions: list[list[tuple[memoryview, int, int]] | None] | None = None  # ``_page_regions``
         # Per shard, each run's (bytes per block, shape of one block's piece): the chunk's layout,
         # computed once (a torch view per run and call cost more than the copies themselves).
         self._run_shapes = [[(_run_bytes(r), tuple(r.shape[1:])) for r in runs] for runs in self.shard_runs]
@@ -231,6 +233,54 @@ class PagedKV:
             src = page if whole else page.index_select(0, src_idx)
             # Asynchronous from page-locked memory; the caller orders and waits (transfer.PageMover).
             run.index_copy_(0, idx, src.to(self.device, non_blocking=True))
+
+    def page_views(self, block_ids: Sequence[int | None], shard: int = 0) -> list[memoryview] | None:
+        """Writable byte views of the pages of ``block_ids`` (one chunk's blocks, in order) of
+        ``shard``, in the chunk's byte order (``[run][block][run_bytes]``): reading a chunk's
+        payload into them in order is ``scatter`` without the copy. Consecutive blocks whose
+        pages are adjacent in memory share one view. None where that cannot be: an accelerator
+        cache, a None entry, or a page that is not one contiguous piece (heads interleaved
+        with tokens, as in NHD). The views are valid while this object lives.
+        """
+        if any(b is None for b in block_ids):
+            return None
+        regions = self._page_regions(shard)
+        if regions is None:
+            return None
+        spans = _spans(block_ids, range(len(block_ids)))
+        views: list[memoryview] = []
+        for region, stride, size in regions:
+            for _, b, n in spans:
+                start = b * stride
+                if stride == size:  # the span's pages are adjacent: one view
+                    views.append(region[start:start + n * size])
+                else:
+                    views.extend(region[i:i + size] for i in range(start, start + n * stride, stride))
+        return views
+
+    def _page_regions(self, shard: int) -> list[tuple[memoryview, int, int]] | None:
+        """Per run of ``shard``: a byte view of the memory its blocks span (from block 0), its
+        block stride and one block's piece size in bytes; None on an accelerator or when a
+        block's piece is not contiguous. Made once per shard: slicing a memoryview costs a
+        fraction of a numpy or torch view per page."""
+        if self._regions is None:
+            self._regions = [self._regions_of(runs) for runs in self.shard_runs]
+        return self._regions[shard]
+
+    def _regions_of(self, runs: list[torch.Tensor]) -> list[tuple[memoryview, int, int]] | None:
+        if self.device.type != "cpu":
+            return None
+        out = []
+        for run in runs:
+            piece = run[0]
+            if not piece.is_contiguous():
+                return None
+            size, stride = piece.numel(), run.stride(0)
+            span = (self.num_blocks - 1) * stride + size
+            # A view over the engine's own memory (the run's tensors keep it alive, as ``self`` does).
+            region = (ctypes.c_ubyte * span).from_address(run.data_ptr())
+            out.append((memoryview(region).cast("B"), stride, size))
+        return out
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Block ids as an index tensor on the cache's device. On an accelerator through

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -61,10 +61,31 @@ class LoadResult:
     """The bytes came from memory (the page cache of a local filesystem), not a device or a
     server: a read that was slow anyway waited for a CPU, and more reader threads would not help
     it. False when unknown."""
+    in_place: bool = False
+    """The payload was read straight into the load's ``Pages`` (validated there); ``chunk`` is None."""
 
     @property
     def ok(self) -> bool:
         return self.status is Status.HIT
+
+
+@dataclass(frozen=True)
+class Pages:
+    """The caller's memory that a tier may read one chunk's payload straight into, instead of
+    reading the whole file into ``into`` and having it copied from there (``Tier.load``).
+
+    ``views``: writable, C-contiguous byte buffers whose sizes add up to the spec's
+    ``payload_bytes``, in payload order (an engine's KV pages: ``PagedKV.page_views``).
+    ``enter`` before writing there, ``leave`` after: ``enter`` returning False means the load is
+    over and the memory is no longer the caller's (write nothing). A tier writes there only what
+    a plain memory copy delivers (a page-cache hit of a local filesystem), so ``leave`` is never
+    far behind ``enter``. Bytes written there are validated afterwards: on any result but
+    ``in_place`` HIT they are garbage the caller must not use.
+    """
+
+    views: Sequence[memoryview]
+    enter: Callable[[], bool]
+    leave: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,9 @@ class Tier(Level, Protocol):
         ``into``: a 4096-aligned buffer of ``spec.file_bytes`` to read the chunk file into (the
         result's data is then a view of it); the tier allocates one when None. On a failed
         load the buffer's content is undefined.
+
+        A tier whose ``reads_in_place`` is true also takes ``pages`` (a keyword, ``Pages``):
+        where it can, it reads the payload straight there and answers ``in_place``.
         """
         ...
 
@@ -142,6 +166,8 @@ class TierBase:
 
     may_hang = False
     journal: ChangeJournal | None = None
+    reads_in_place = False
+    """``load`` takes ``pages`` (see ``Tier.load``)."""
 
     def retain(self, key: ChunkKey, until: float) -> bool:
         return False

@@ -26,7 +26,7 @@ from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase, leading_held
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Pages, Status, StoreResult, TierBase, leading_held
 from kvtier.tiers.files import ChunkFiles
 
 TOUCH_INTERVAL_S = 60.0
@@ -34,6 +34,7 @@ TOUCH_INTERVAL_S = 60.0
 
 class DiskTier(TierBase):
     name = "disk"
+    reads_in_place = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, fsync: bool = False,
                  direct_io: bool = True, group_access: bool = False) -> None:
@@ -78,11 +79,12 @@ class DiskTier(TierBase):
         with self._lock:
             return leading_held(ids, self._index)
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None, *,
+             pages: Pages | None = None) -> LoadResult:
         with self._lock:
             if chunk.key not in self._index:
                 return LoadResult(Status.MISS)
-        result = self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S)
+        result = self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S, pages)
         with self._lock:
             if result.ok and chunk.key in self._index:
                 self._index.move_to_end(chunk.key)

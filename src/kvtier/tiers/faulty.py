@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId
-from kvtier.tiers.base import Chunk, LoadResult, Status, StoreResult, Tier
+from kvtier.tiers.base import Chunk, LoadResult, Pages, Status, StoreResult, Tier
 
 OPS = ("lookup", "load", "store")
 
@@ -117,7 +117,12 @@ class FaultyTier:
             return 0  # a tier that cannot answer holds nothing, as far as the caller knows
         return self.inner.lookup(ids)
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
+    @property
+    def reads_in_place(self) -> bool:
+        return bool(getattr(self.inner, "reads_in_place", False))
+
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None, *,
+             pages: Pages | None = None) -> LoadResult:
         try:
             miss, slept = self._before("load")
         except OSError as exc:
@@ -126,7 +131,10 @@ class FaultyTier:
         if miss:
             self.metrics.add(read_races=1)
             return LoadResult(Status.MISS)
-        result = self.inner.load(chunk, spec, into)
+        if pages is None:
+            result = self.inner.load(chunk, spec, into)
+        else:
+            result = self.inner.load(chunk, spec, into, pages=pages)  # type: ignore[call-arg]
         # An injected delay stands for a slow device, whatever served the bytes after it.
         return replace(result, from_cache=False) if slept and result.from_cache else result
 

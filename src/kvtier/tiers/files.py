@@ -40,7 +40,7 @@ from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
 from kvtier.threads import ThreadInit
 from kvtier.tiers import listing
-from kvtier.tiers.base import Chunk, LoadResult, Status, aligned_buffer
+from kvtier.tiers.base import Chunk, LoadResult, Pages, Status, aligned_buffer
 from kvtier.tiers.listing import SUFFIX, ChunkFile
 from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
 from kvtier.tiers.presence import Presence
@@ -239,13 +239,22 @@ class ChunkFiles:
         under its name: never followed, never waited on), OSError for I/O faults. Nothing is
         allocated or read before the file's size equals ``spec.file_bytes``.
         """
-        return self._read(self._path_str(cid.key), cid, spec, into)[0]
+        chunk = self._read(self._path_str(cid.key), cid, spec, into)[0]
+        assert chunk is not None  # None only for a read in place
+        return chunk
 
-    def _read(self, path: str, cid: ChunkId, spec: ChunkSpec,
-              into: np.ndarray | None) -> tuple[Chunk, float, bool]:
+    def _read(self, path: str, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None,
+              pages: Pages | None = None) -> tuple[Chunk | None, float, bool]:
         """``read``, also returning the file's mtime as its open descriptor saw it and whether the
         page cache of a local filesystem served it (``LoadResult.from_cache``; False when the kernel
-        cannot tell, and on a network filesystem, where the open was a round trip anyway)."""
+        cannot tell, and on a network filesystem, where the open was a round trip anyway).
+
+        With ``pages``, a file that the page cache of a local filesystem holds whole is read
+        straight into them (one ``preadv``: the header into a scratch buffer, the payload into
+        ``pages.views``) and validated there: the returned chunk is None, and ``into`` untouched.
+        Only such reads go there: they are memory copies, so the caller's memory is held for
+        microseconds, never for a device's or a server's answer. A chunk is None too when
+        """
         fd = self._open_read(path)
         try:
             st = os.fstat(fd)
@@ -255,13 +264,16 @@ class ChunkFiles:
             if size != spec.file_bytes:
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
-            buf = aligned_buffer(size) if into is None else into
-            view = buf.data
             cached = cached_bytes(fd) if self.direct_io or self._local else None
             from_cache = cached is not None and cached >= size
             direct = self.direct_io and not from_cache
             if not direct and self.direct_io:
                 set_direct(fd, False)
+            if pages is not None and from_cache and self._local:
+                _read_in_place(fd, size, spec, cid, pages)
+                return None, st.st_mtime, True
+            buf = aligned_buffer(size) if into is None else into
+            view = buf.data
             done = _read_all(fd, view, 0, stop_on_einval=direct)
             if done < size:
                 # O_DIRECT accepted at open but refused at read (some FUSE and NFS setups).
@@ -275,8 +287,9 @@ class ChunkFiles:
         return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and self._local
 
     def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
-             touch_interval_s: float) -> LoadResult:
+             touch_interval_s: float, pages: Pages | None = None) -> LoadResult:
         """``read`` as a tier's load: every fault becomes a counted result, never an exception.
+        With ``pages`` a warm file's payload may land there (``_read``): an ``in_place`` HIT.
 
         A vanished file is a miss (``read_races``); a chunk that fails validation is removed,
         so the next lookup stops before it, and counted (``corrupt_chunks``); other I/O errors
@@ -285,7 +298,7 @@ class ChunkFiles:
         t0 = time.perf_counter()
         path = self._path_str(cid.key)
         try:
-            got, mtime, from_cache = self._read(path, cid, spec, into)
+            got, mtime, from_cache = self._read(path, cid, spec, into, pages)
         except OSError as exc:
             if not isinstance(exc, FileNotFoundError) and exc.errno != errno.ESTALE:
                 metrics.add(failed_reads=1)
@@ -302,10 +315,13 @@ class ChunkFiles:
                 log.warning("could not remove bad chunk %s (%s): %s", cid.key.hex()[:12], exc, rm_exc)
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
-        metrics.add(bytes_read=got.nbytes, read_seconds=time.perf_counter() - t0)
+        except _Ended:
+            return LoadResult(Status.MISS)  # ``pages.enter`` refused: the load is over, nothing was read
+        metrics.add(bytes_read=spec.payload_bytes if got is None else got.nbytes,
+                    read_seconds=time.perf_counter() - t0)
         if time.time() - mtime > touch_interval_s:  # due by the read's own fstat (most hits are not)
             _touch(path, touch_interval_s)
-        return LoadResult(Status.HIT, got, from_cache=from_cache)
+        return LoadResult(Status.HIT, got, from_cache=from_cache, in_place=got is None)
 
     def _open_read(self, path: str) -> int:
         """Open a chunk for reading without following a symlink or blocking on a FIFO.
@@ -428,6 +444,50 @@ def _touch(path: str, older_than_s: float) -> None:
             os.utime(path)
     except OSError:
         pass
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+class _Ended(Exception):
+    """``Pages.enter`` refused: the load the pages belong to is over."""
+
+
+def _read_in_place(fd: int, size: int, spec: ChunkSpec, cid: ChunkId, pages: Pages) -> None:
+    """Read a chunk file of ``size`` bytes: its header region into scratch memory, its payload
+    into ``pages.views``, its padding into scratch; validate header and payload checksum there.
+    All inside ``pages.enter``/``leave``. Raises ChunkError, OSError, or ``_Ended``."""
+    if sum(v.nbytes for v in pages.views) != spec.payload_bytes:
+        raise ValueError(f"pages of {sum(v.nbytes for v in pages.views)} B for a payload of {spec.payload_bytes} B")
+    head = memoryview(bytearray(PAYLOAD_OFFSET))
+    pad = size - PAYLOAD_OFFSET - spec.payload_bytes
+    buffers: list[memoryview] = [head, *pages.views]
+    if pad:
+        buffers.append(memoryview(bytearray(pad)))
+    if not pages.enter():
+        raise _Ended
+    try:
+        _readv_all(fd, buffers)
+        spec.decode_parts(head, pages.views, cid)
+    finally:
+        pages.leave()
+
+
+def _readv_all(fd: int, buffers: list[memoryview]) -> None:
+    """Fill ``buffers`` in order from the start of ``fd`` (``preadv``, ``_IOV_MAX`` at a time)."""
+    buffers = list(buffers)  # a partly filled one is replaced by its rest: not in the caller's list
+    offset, total = 0, sum(b.nbytes for b in buffers)
+    first = 0  # buffers[:first] are filled
+    while offset < total:
+        n = os.preadv(fd, buffers[first:first + _IOV_MAX], offset)
+        if n == 0:
+            raise ChunkError(ChunkFault.TRUNCATED, f"short read: {offset} of {total} B")
+        offset += n
+        while first < len(buffers) and n >= buffers[first].nbytes:  # skip what is filled
+            n -= buffers[first].nbytes
+            first += 1
+        if n:  # resume inside a partly filled one
+            buffers[first] = buffers[first][n:]
 
 
 def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:

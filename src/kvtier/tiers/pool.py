@@ -69,7 +69,7 @@ from kvtier.errors import TierUnavailableError
 from kvtier.format import ChunkSpec
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.metrics import TierMetrics
-from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Status, StoreResult, TierBase
+from kvtier.tiers.base import ChangeJournal, Chunk, LoadResult, Pages, Status, StoreResult, TierBase
 from kvtier.tiers.evict import HEARTBEAT_S, LOW_WATERMARK, Evictor
 from kvtier.tiers.evictlog import EVICTION_READ_MAX_BYTES, EvictionLog
 from kvtier.tiers.files import ChunkFiles
@@ -105,6 +105,7 @@ def overshoot_bound(capacity_bytes: int, sync_bytes: int, instances: int, crashe
 class PoolTier(TierBase):
     name = "pool"
     may_hang = True  # a network filesystem: lookups are timed (tiers/guard.py)
+    reads_in_place = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None, *,
                  fsync: bool = False, direct_io: bool = True, sync_bytes: int | None = None,
@@ -147,9 +148,10 @@ class PoolTier(TierBase):
     def lookup(self, ids: Sequence[ChunkId]) -> int:
         return self.files.leading_present(ids)
 
-    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None) -> LoadResult:
+    def load(self, chunk: ChunkId, spec: ChunkSpec, into: np.ndarray | None = None, *,
+             pages: Pages | None = None) -> LoadResult:
         # A corrupt chunk is useless to every instance: load removes it for all of them.
-        return self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S)
+        return self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S, pages)
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         """Publish ``chunk`` unless the pool is over its cap (then FAILED, counted in

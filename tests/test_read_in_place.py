@@ -1,0 +1,232 @@
+"""Reads in place: a warm chunk file's payload read straight into the caller's memory (an
+engine's KV pages), validated there, and never written there outside the load's gate.
+
+``tiers.base.Pages`` at the tier, ``reader.Placement`` at the store. The bytes written are
+checked against the chunk; every way a read can fail leaves a result the caller can act on
+(a miss, a corrupt chunk removed), and a read that outlives its load writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier.tiers.files as files_mod
+from kvtier.format import PAYLOAD_OFFSET
+from kvtier.reader import Placement
+from kvtier.store import TieredStore
+from kvtier.tiers.base import Chunk, Pages, Status
+from kvtier.tiers.faulty import FaultyTier
+from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
+from kvtier.tiers.pool import PoolTier
+
+C = 16  # the tiny model's chunk tokens
+
+
+class _Target:
+    """Caller memory for one chunk in uneven pieces, with the gate's calls counted."""
+
+    def __init__(self, nbytes: int, pieces: int = 3, admit: bool = True) -> None:
+        cuts = [0, *sorted({nbytes * (i + 1) // (pieces + 1) + i for i in range(pieces - 1)}), nbytes]
+        self.memory = [bytearray(b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+        self.admit, self.entered, self.left = admit, 0, 0
+
+    def enter(self) -> bool:
+        self.entered += 1
+        return self.admit
+
+    def leave(self) -> None:
+        self.left += 1
+
+    def pages(self) -> Pages:
+        return Pages([memoryview(m) for m in self.memory], self.enter, self.leave)
+
+    def bytes(self) -> bytes:
+        return b"".join(self.memory)
+
+
+def _warm_local(pool: PoolTier, path: Path) -> None:
+    """Skip unless reads there can be page-cache hits of a local filesystem, known as such."""
+    if not cache_hits_are_local(str(path)):
+        pytest.skip(f"{path} is not on a local filesystem")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cached_bytes(fd) is None:
+            pytest.skip("the kernel has no cachestat (Linux < 6.5): no read counts as a page-cache hit")
+    finally:
+        os.close(fd)
+
+
+def _stored(open_pool, tiny) -> tuple[PoolTier, Chunk, Path]:
+    pool = open_pool()
+    (a,) = tiny.chunks(1, seed=5)
+    pool.store(a, tiny.spec())
+    path = pool.files.path_for(a.id.key)
+    _warm_local(pool, path)
+    return pool, a, path
+
+
+def test_a_warm_chunk_lands_in_the_callers_memory_validated(open_pool, tiny):
+    pool, a, _ = _stored(open_pool, tiny)
+    target = _Target(tiny.payload_bytes)
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.status is Status.HIT and got.in_place and got.chunk is None and got.from_cache
+    assert target.bytes() == bytes(a.payload())
+    assert (target.entered, target.left) == (1, 1)
+    assert pool.metrics.snapshot().bytes_read == tiny.payload_bytes
+
+
+def test_a_corrupt_chunk_read_in_place_is_removed_and_reported(open_pool, tiny):
+    pool, a, path = _stored(open_pool, tiny)
+    with open(path, "r+b") as f:
+        f.seek(PAYLOAD_OFFSET + tiny.payload_bytes - 3)
+        byte = f.read(1)
+        f.seek(PAYLOAD_OFFSET + tiny.payload_bytes - 3)
+        f.write(bytes([byte[0] ^ 0x01]))
+    target = _Target(tiny.payload_bytes)
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.status is Status.CORRUPT and "payload_checksum" in got.error
+    assert not path.exists() and pool.lookup([a.id]) == 0
+    assert (target.entered, target.left) == (1, 1)  # the gate is left on the failure too
+
+
+def test_another_chunks_file_under_the_name_is_refused_in_place(open_pool, tiny):
+    pool = open_pool()
+    a, b = tiny.chunks(2, seed=6)
+    pool.store(b, tiny.spec())
+    path = pool.files.path_for(a.id.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(pool.files.path_for(b.id.key), path)  # a neighbour's file, valid in itself
+    _warm_local(pool, path)
+    got = pool.load(a.id, tiny.spec(), pages=_Target(tiny.payload_bytes).pages())
+    assert got.status is Status.CORRUPT and "identity" in got.error
+
+
+def test_a_load_that_is_over_gets_nothing_written(open_pool, tiny):
+    pool, a, path = _stored(open_pool, tiny)
+    target = _Target(tiny.payload_bytes, admit=False)
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.status is Status.MISS and not got.ok
+    assert target.bytes() == bytes(tiny.payload_bytes) and target.left == 0
+    snap = pool.metrics.snapshot()
+    assert (snap.read_races, snap.corrupt_chunks, snap.failed_reads, snap.bytes_read) == (0, 0, 0, 0)
+    assert path.exists()  # nothing wrong with the chunk
+
+
+def test_only_page_cache_hits_of_a_local_filesystem_are_read_in_place(open_pool, tiny, bits_equal):
+    pool, a, path = _stored(open_pool, tiny)
+    pool.files._local = False  # a network filesystem: its page-cache hits are still round trips
+    target = _Target(tiny.payload_bytes)
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.ok and not got.in_place and target.entered == 0
+    bits_equal(got.chunk.data, a.data)
+    pool.files._local = True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        cold = (cached_bytes(fd) or 0) < os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if cold:  # a device read, however long, never holds the caller's memory
+        got = pool.load(a.id, tiny.spec(), pages=target.pages())
+        assert got.ok and not got.in_place and target.entered == 0
+        bits_equal(got.chunk.data, a.data)
+
+
+def test_pages_of_the_wrong_size_are_a_bug_not_a_read(open_pool, tiny):
+    pool, a, _ = _stored(open_pool, tiny)
+    target = _Target(tiny.payload_bytes - 2)
+    with pytest.raises(ValueError, match="pages of"):
+        pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert target.entered == 0
+
+
+def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, monkeypatch):
+    pool, a, _ = _stored(open_pool, tiny)
+    monkeypatch.setattr(files_mod, "_IOV_MAX", 2)  # the header and one piece per preadv
+    real = os.preadv
+    calls: list[int] = []
+
+    def short(fd, buffers, offset):  # and each call delivers at most 100 bytes less than asked
+        calls.append(offset)
+        want = sum(memoryview(b).nbytes for b in buffers)
+        if want > 200:
+            head, rest = 0, want - 100
+            parts = []
+            for b in buffers:
+                n = min(memoryview(b).nbytes, rest - head)
+                if n <= 0:
+                    break
+                parts.append(memoryview(b)[:n])
+                head += n
+            return real(fd, parts, offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(files_mod.os, "preadv", short)
+    target = _Target(tiny.payload_bytes, pieces=7)
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.ok and got.in_place
+    assert target.bytes() == bytes(a.payload())
+    assert len(calls) > 8
+
+
+def test_load_into_places_warm_chunks_and_hands_the_rest_to_the_sink(make_store, tiny, tmp_path):
+    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    tokens, kv = tiny.tokens(C * 4, seed=8), tiny.kv(C * 4, seed=8)
+    store.put(tokens, kv)
+    store.flush()
+    _warm_local(store.tiers[0], next((tmp_path / "pool").rglob("*.kvt")))
+    memory = [torch.zeros(tiny.payload_bytes, dtype=torch.uint8) for _ in range(4)]
+    sunk: list[int] = []
+    landed: list[int] = []
+
+    def views(i: int) -> list[memoryview] | None:
+        return None if i == 2 else [memoryview(memory[i].numpy())]  # chunk 2: "not placeable"
+
+    def sink(i: int, data: torch.Tensor) -> None:
+        sunk.append(i)
+        memory[i].copy_(data.reshape(-1).view(torch.uint8))
+
+    got = store.load_into(store.chunk_ids(tokens), sink, promote=False, place=Placement(views, landed.append))
+    assert got.num_chunks == 4 and got.chunk_tiers == ("pool",) * 4
+    assert sorted(landed) == [0, 1, 3] and sunk == [2]
+    for i in range(4):
+        want = kv[:, :, i * C:(i + 1) * C].contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(memory[i], want), i
+    # promote=True wants the bytes in host DRAM: nothing is placed
+    landed.clear()
+    sunk.clear()
+    assert store.load_into(store.chunk_ids(tokens), sink, place=Placement(views, landed.append)).num_chunks == 4
+    assert landed == [] and sorted(sunk) == [0, 1, 2, 3]
+
+
+def test_a_read_in_place_that_outlives_its_load_writes_nothing(tiny, tmp_path):
+    """An engine reuses the KV blocks of a failed load at once: a late read must not write there."""
+    pool = PoolTier(tmp_path / "pool", None)
+    faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
+    store = TieredStore(tiny.config(io_threads=4, read_timeout_s=0.2, host_bytes=0), tiers=[faulty])
+    try:
+        tokens, kv = tiny.tokens(64), tiny.kv(64)
+        ids = store.chunk_ids(tokens)
+        for i in range(4):
+            pool.store(Chunk(ids[i], kv[:, :, i * C:(i + 1) * C].contiguous()), tiny.spec())
+        _warm_local(pool, pool.files.path_for(ids[0].key))
+        memory = [bytearray(tiny.payload_bytes) for _ in range(4)]
+        landed: list[int] = []
+        place = Placement(lambda i: [memoryview(memory[i])], landed.append)
+        t0 = time.monotonic()
+        result = store.load_into(ids, lambda i, data: None, promote=False, place=place)
+        assert time.monotonic() - t0 < 2.0
+        assert result.num_chunks == 0 and pool.metrics.snapshot().timeouts == 1
+        faulty.wake()  # chunk 0's read goes on now, and finds the load over
+        time.sleep(0.3)
+        assert landed == [] and all(m == bytes(tiny.payload_bytes) for m in memory)
+        assert pool.metrics.snapshot().bytes_read == 0  # refused at the gate: nothing was read
+    finally:
+        faulty.wake()
+        store.close()
