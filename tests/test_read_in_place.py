@@ -8,6 +8,7 @@ checked against the chunk; every way a read can fail leaves a result the caller 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ class _Target:
 
     def __init__(self, nbytes: int, pieces: int = 3, admit: bool = True) -> None:
         cuts = [0, *sorted({nbytes * (i + 1) // (pieces + 1) + i for i in range(pieces - 1)}), nbytes]
-        self.memory = [bytearray(b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+        self.memory = [bytearray(b - a) for a, b in itertools.pairwise(cuts)]
         self.admit, self.entered, self.left = admit, 0, 0
 
     def enter(self) -> bool:
