@@ -446,6 +446,31 @@ def test_an_async_hit_is_loaded_in_the_background_into_the_blocks_vllm_parks() -
     assert after.loads == [] and after.saves == []
 
 
+def test_auto_loads_in_the_step_only_while_the_engine_is_idle_and_the_load_is_short(monkeypatch: Any) -> None:
+    import kvtier.integrations.vllm.scheduler as sched
+
+    role, counters = make_scheduler(extra={"load_mode": "auto"})
+    assert ConnectorConfig().load_mode == "auto"  # the default
+    idle = request("i", list(range(7000, 7000 + 3 * CHUNK + 7)))
+    held(role, idle, 3)
+    assert ask(role, idle) == (3 * CHUNK, False)  # nothing ran in the last step: in the step
+    role.update_state_after_alloc(idle, blocks(list(range(20, 27))), 3 * CHUNK)
+    meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="i", block_ids=(list(range(20, 27)),),
+                                                                  num_computed_tokens=0)], scheduled={"i": 7}))
+    assert [(t.req_id, t.background) for t in meta.loads] == [("i", False)] and counters["async_loads"] == 0
+    # The step just built scheduled tokens: the engine is busy, the next hit loads in the background.
+    busy = request("b", list(range(8000, 8000 + 3 * CHUNK + 7)))
+    held(role, busy, 3)
+    assert ask(role, busy) == (3 * CHUNK, True)
+    role.update_state_after_alloc(busy, blocks(list(range(30, 37))), 3 * CHUNK)
+    assert counters["async_loads"] == 1
+    role.build_connector_meta(output())  # an idle step again, but a load predicted too long for it:
+    monkeypatch.setattr(sched, "SYNC_IDLE_MAX_S", 0.0)
+    long = request("l", list(range(9000, 9000 + 3 * CHUNK + 7)))
+    held(role, long, 3)
+    assert ask(role, long) == (3 * CHUNK, True)
+
+
 def test_a_failed_async_load_makes_its_chunks_saved_again_once_recomputed() -> None:
     role, _ = make_scheduler(extra={"load_mode": "async"})
     req = request("f", list(range(5000, 5000 + 3 * CHUNK + 7)))

@@ -11,7 +11,7 @@ and the load-or-recompute decision of ``kvtier.policy``, the rule the connector'
 decides by: load only if ``bytes / tier bandwidth + latency`` is less than prefilling those
 tokens (the connector's latency term is 0: the rates its workers measure already include it).
 Loads are modelled as synchronous in the step that admits the request (the connector's
-``load_mode: sync``; its default, ``async``, lets the other requests' steps run during a load,
+``load_mode: sync``; its default, ``auto``, lets the other requests' steps run during a load on a busy engine,
 so the model overstates what a load costs its neighbours), so the step lasts
 ``overhead + sum over tiers (bytes read in this step / bandwidth + latency) + prefill + decode``:
 read-backs admitted together share the tier's bandwidth, and every request in a step waits for

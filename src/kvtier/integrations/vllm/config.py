@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 LOAD_POLICIES = ("auto", "always", "never")
-LOAD_MODES = ("async", "sync")
+LOAD_MODES = ("auto", "async", "sync")
 REQUIRED_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for (``get_required_kvcache_layout``): each
 layer's block is one dense page, so a block moves as one run. Any other layout vLLM resolves
@@ -67,10 +67,14 @@ class ConnectorConfig:
     """Prior prefill rate; None: measured from the engine's own steps (until then, load)."""
     min_load_tokens: int = 0
     """Hits shorter than this are not loaded."""
-    load_mode: str = "async"
+    load_mode: str = "auto"
     """``async``: a request with a hit waits while its chunks are read in the background and
-    the engine keeps running the others; ``sync``: the step that schedules it waits for the
-    read (every running request stalls meanwhile; kept for comparison)."""
+    the engine keeps running the others; it is prefilled two engine steps later at the
+    earliest (the step that reports the load over, then the next). ``sync``: the step that
+    schedules it reads them before its forward pass (every running request stalls meanwhile).
+    ``auto``: in the step while the engine is idle (the last step scheduled no tokens, so
+    nothing stalls) and the load is predicted to take at most ``SYNC_IDLE_MAX_S``; else in
+    the background."""
     load_coalesce_ms: float = 10.0
     """A background load that is over is reported at the end of the engine's step, and its
     request is prefilled in the next. When other loads are still running then, the worker

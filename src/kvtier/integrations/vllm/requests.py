@@ -49,6 +49,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
     load: tuple[int, int] | None = None  # token range [start, end) to load when next scheduled
+    background: bool = False  # the hit offered last is loaded in the background (vLLM parks the request)
     loading: bool = False  # a background load was sent and the request has not run since
     no_hit: bool = False  # a load of this request failed whole: never offer it a hit again
     lookup: PendingLookup | None = None

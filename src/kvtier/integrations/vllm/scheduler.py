@@ -21,7 +21,10 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
 * Loads: with ``load_mode: async`` a hit is answered ``(tokens, True)``; vLLM parks the request
   with its new blocks (``update_state_after_alloc``), the load goes to the workers with the
   next metadata, and vLLM schedules the request once every worker reported it finished. With
-  ``sync`` the load goes with the step that schedules the request.
+  ``sync`` the load goes with the step that schedules the request. ``auto`` (the default)
+  chooses per request: in the step while the engine is idle and the load is short
+  (``SYNC_IDLE_MAX_S``), where it stalls no one and saves the request two engine steps; else
+  in the background.
 * Preemption: a preempted request comes back with nothing computed; when it is rescheduled
   its hit is loaded into its new blocks exactly like a new request's.
 * Retention: a request's ``kv_transfer_params: {"kvtier": {"retain_s": N}}`` (else the
@@ -91,6 +94,12 @@ LOOKUP_THREADS = 2
 LOOKUP_INLINE_WAIT_S = 0.002
 """While the engine is idle, the longest the scheduler waits for a request's lookup in one
 call before answering "not yet"."""
+SYNC_IDLE_MAX_S = 0.05
+"""With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine.
+A background load costs its request two engine steps after the read (one reports it, the
+next prefills it: measured 2-3 ms idle on the tiny model, a decode step each when busy); a
+load in the step costs nothing when nothing else runs, but holds up a request that arrives
+during it by up to its length."""
 LOOKUP_BUSY_WAIT_S = 0.001
 """The same while other requests run: a local lookup of a long prompt takes well under this
 (32 chunks' stats: 0.16 ms), and an answer in this call saves the request a whole engine step
@@ -308,7 +317,15 @@ class SchedulerRole:
             return 0, False
         self._decided(lookup, "load", state)
         state.load, state.tail = (num_computed_tokens, end), tail
-        return ext, self.connector_config.load_mode == "async"
+        state.background = self._in_background(chunk_tiers, num_computed_tokens, end)
+        return ext, state.background
+
+    def _in_background(self, chunk_tiers: Sequence[str], start: int, end: int) -> bool:
+        """Whether to load in the background (``load_mode``; ``SYNC_IDLE_MAX_S``)."""
+        mode = self.connector_config.load_mode
+        if mode != "auto":
+            return mode == "async"
+        return not (self._idle and self.predicted_load_s(chunk_tiers, start, end) <= SYNC_IDLE_MAX_S)
 
     def _decided(self, lookup: PendingLookup, decision: str, state: RequestState) -> None:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
@@ -338,7 +355,7 @@ class SchedulerRole:
         state.lookup = None  # scheduled: a later lookup (after a preemption) starts afresh
         if num_external_tokens == 0:
             state.load = None
-        elif self.connector_config.load_mode == "async" and state.load is not None:
+        elif state.background and state.load is not None:
             # vLLM parks the request (WAITING_FOR_REMOTE_KVS) with these blocks until every
             # worker reports the load finished; it is not among the next step's scheduled ones.
             if getattr(request, "num_preemptions", 0):
