@@ -176,6 +176,26 @@ def test_a_sync_load_is_reported_with_whether_it_delivered_everything(tmp_path: 
     role.close()
 
 
+def test_a_steps_sync_loads_read_at_once_and_fill_their_blocks(tmp_path: Any) -> None:
+    # Two requests that arrived together at an idle engine (load_mode auto): their loads run in
+    # the same step. Each reads 4 files (2 chunks of 2 heads), 100 ms each: alone, a load reads
+    # two, then spreads the other two over the I/O threads (0.3 s); one after the other, the
+    # two loads would take 0.6 s, at once 0.3 s.
+    source = populate(tmp_path, 2)
+    slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.1, "max_delay_s": 0.1, "ops": ["load"]}}
+    role, caches = worker(tmp_path, {"inject_faults": slow, "io_threads": 4})
+    t0 = time.monotonic()
+    role.start_load_kv(KVTierMetadata(loads=[Load("a", ids(2), list(range(20, 20 + 2 * BPC))),
+                                             Load("b", ids(2), list(range(40, 40 + 2 * BPC)))]))
+    elapsed = time.monotonic() - t0
+    report = role.report()
+    assert report is not None and report.sync_loads == [("a", True), ("b", True)]
+    for src, dst in zip(source, caches, strict=True):
+        assert torch.equal(src[:2 * BPC], dst[20:20 + 2 * BPC]) and torch.equal(src[:2 * BPC], dst[40:40 + 2 * BPC])
+    assert 0.3 <= elapsed < 0.5, elapsed
+    role.close()
+
+
 def test_handle_preemptions_fences_the_saves_before_vllm_touches_blocks(tmp_path: Any) -> None:
     role, _ = worker(tmp_path)
     calls: list[str] = []

@@ -207,14 +207,19 @@ class WorkerRole:
             self.mover.fence()
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        # A step's synchronous loads run at once, each on a loader thread (two requests that
+        # arrived together at an idle engine: their reads overlap instead of queueing); one
+        # alone runs on this thread.
+        together = sum(1 for load in meta.loads if not load.background) > 1
+        in_step: list[tuple[Load, LoadJob]] = []
         for load in meta.loads:
             mover = self._usable()
             ids = self._shard_ids(load.chunk_ids)
             tiers = [t for t in load.chunk_tiers for _ in self.shards] if load.chunk_tiers else None
-            if mover is not None and not load.background:
-                got = mover.load(ids, load.block_ids, tenant_salt=load.salt, tiers=tiers)
-                self._finish_load(load, got, got.started)
-                self._sync_loads.append(SyncLoad(load.req_id, got.num_chunks == len(load.chunk_ids)))
+            if mover is not None and not load.background and together:
+                in_step.append((load, mover.submit_load(ids, load.block_ids, tenant_salt=load.salt, tiers=tiers)))
+            elif mover is not None and not load.background:
+                self._sync_done(load, mover.load(ids, load.block_ids, tenant_salt=load.salt, tiers=tiers))
             elif mover is None:  # disabled: every block is a load error, and a background load is over
                 self._finish_load(load, Loaded(0, (), 0.0), time.monotonic())
                 if load.background:
@@ -224,6 +229,13 @@ class WorkerRole:
             else:
                 self._jobs[load.req_id] = (mover.submit_load(ids, load.block_ids, tenant_salt=load.salt,
                                                              tiers=tiers), load)
+        for load, job in in_step:
+            self._sync_done(load, job.result())
+
+    def _sync_done(self, load: Load, got: Loaded) -> None:
+        """A synchronous load is over: count it, and report whether it delivered every chunk."""
+        self._finish_load(load, got, got.started)
+        self._sync_loads.append(SyncLoad(load.req_id, got.num_chunks == len(load.chunk_ids)))
 
     def _shard_ids(self, ids: list[ChunkId]) -> list[ChunkId]:
         """This rank's shard ids of logical chunks ``ids``: each chunk's shards, in order."""
