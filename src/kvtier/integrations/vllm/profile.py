@@ -12,14 +12,16 @@ that file (one JSON object per line) once the step after its prefill begins. Tim
 * ``queue_s``: from the dispatch to the first rank starting to read (a loader thread's wait);
 * ``load_s``: from the first rank's start to the last rank's last chunk; ``read_s`` and
   ``copy_s``: the slowest rank's seconds reading-and-validating and copying into blocks, summed
-  over its chunks (they overlap across I/O threads, so each may exceed ``load_s``);
+  over its chunks (they overlap across I/O threads, so each may exceed ``load_s``; a chunk read
+  straight into its blocks, ``PagedKV.page_views``, has no copy);
 * ``report_s``: from the last chunk in to every rank having reported it to vLLM (get_finished);
 * ``schedule_s``: from that report to the step that schedules the request's prefill; with
   ``wait_steps``, the engine steps the request spent waiting for its load (WAITING_FOR_REMOTE_KVS);
-* ``prefill_s``: the step that prefills the suffix (until the next step begins); with
-  ``load_mode: sync`` the load runs inside that step, before its forward pass: then there is
-  no ``schedule_s`` and ``prefill_s`` starts when the load was reported, so the spans still
-  tile the request's time and ``prefill_s`` means the same in both modes;
+* ``prefill_s``: the step that prefills the suffix (until the next step begins); with a load
+  in the step (``load_mode: sync``, or ``auto`` on an idle engine) the load runs inside that
+  step, before its forward pass: then there is no ``schedule_s`` and ``prefill_s`` starts when
+  the load was reported, so the spans still tile the request's time and ``prefill_s`` means
+  the same either way;
 * ``total_s``: arrival to the end of that step, the connector's view of the time to first token.
 
 A request without a load (a miss, a short hit, a recompute decision) has only the fields that
