@@ -253,7 +253,8 @@ class ChunkFiles:
         straight into them (one ``preadv``: the header into a scratch buffer, the payload into
         ``pages.views``) and validated there: the returned chunk is None, and ``into`` untouched.
         Only such reads go there: they are memory copies, so the caller's memory is held for
-        microseconds, never for a device's or a server's answer. A chunk is None too when
+        microseconds, never for a device's or a server's answer. (A page evicted between the
+        check and the read is read from the device inside ``pages.enter``: rare, and one read.)
         """
         fd = self._open_read(path)
         try:
