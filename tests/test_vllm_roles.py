@@ -458,12 +458,13 @@ def test_auto_loads_in_the_step_only_while_the_engine_is_idle_and_the_load_is_sh
     meta = role.build_connector_meta(output(new=[SimpleNamespace(req_id="i", block_ids=(list(range(20, 27)),),
                                                                   num_computed_tokens=0)], scheduled={"i": 7}))
     assert [(t.req_id, t.background) for t in meta.loads] == [("i", False)] and counters["async_loads"] == 0
+    assert counters["step_loads"] == 1
     # The step just built scheduled tokens: the engine is busy, the next hit loads in the background.
     busy = request("b", list(range(8000, 8000 + 3 * CHUNK + 7)))
     held(role, busy, 3)
     assert ask(role, busy) == (3 * CHUNK, True)
     role.update_state_after_alloc(busy, blocks(list(range(30, 37))), 3 * CHUNK)
-    assert counters["async_loads"] == 1
+    assert counters["async_loads"] == 1 and counters["step_loads"] == 1
     role.build_connector_meta(output())  # an idle step again, but a load predicted too long for it:
     monkeypatch.setattr(sched, "SYNC_IDLE_MAX_S", 0.0)
     long = request("l", list(range(9000, 9000 + 3 * CHUNK + 7)))

@@ -37,6 +37,8 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("disabled", None, "1 once the connector turned itself off (a KV layout it cannot handle)"),
     Counter("async_loads", "kvtier_background_loads_total",
             "Loads run in the background while the engine ran others"),
+    Counter("step_loads", "kvtier_step_loads_total",
+            "Loads run inside the step that schedules their request (load_mode sync, or auto on an idle engine)"),
     Counter("coalesced_loads", "kvtier_coalesced_loads_total",
             "Background loads reported in the same step as another one because the worker waited for "
             "them to end (load_coalesce_ms)", first_rank_only=True),

@@ -432,6 +432,8 @@ class SchedulerRole:
                                  -(-end // self.chunk_tokens))
         # Counted here, not per lookup: vLLM asks again for a request it could not schedule yet.
         count(self.counters, "matched_tokens", n=end - start)
+        if not background:
+            count(self.counters, "step_loads")
         if state.profile is not None:
             state.profile.dispatched, state.profile.load_tokens = time.monotonic(), end - start
         state.saved_chunks = max(state.saved_chunks, end // self.chunk_tokens)
