@@ -472,6 +472,18 @@ def test_auto_loads_in_the_step_only_while_the_engine_is_idle_and_the_load_is_sh
     assert ask(role, long) == (3 * CHUNK, True)
 
 
+def test_auto_loads_from_a_tier_in_the_step_only_once_its_read_rate_was_measured() -> None:
+    # On the prior rate a slow pool (or one about to stall) would hold the step, where an abort
+    # cannot stop the load: its first loads run in the background, which measures it.
+    role, _ = make_scheduler(extra={"load_mode": "auto"})
+    assert role._idle
+    assert role._in_background(["pool"] * 3, 0, 3 * CHUNK)
+    assert not role._in_background(["host"] * 3, 0, 3 * CHUNK)  # host DRAM never stalls
+    role.rates.observe_read("pool", 1 << 30, 0.5)  # 2 GiB/s, measured
+    assert not role._in_background(["pool"] * 3, 0, 3 * CHUNK)
+    assert role._in_background(["host", "disk", "pool"], 0, 3 * CHUNK)  # the disk tier: still a prior
+
+
 def test_a_failed_async_load_makes_its_chunks_saved_again_once_recomputed() -> None:
     role, _ = make_scheduler(extra={"load_mode": "async"})
     req = request("f", list(range(5000, 5000 + 3 * CHUNK + 7)))

@@ -82,6 +82,7 @@ from kvtier.policy import Rates, Read, pays_off, predicted_load_s
 from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
+from kvtier.tiers.kinds import HOST
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -95,7 +96,9 @@ LOOKUP_INLINE_WAIT_S = 0.002
 """While the engine is idle, the longest the scheduler waits for a request's lookup in one
 call before answering "not yet"."""
 SYNC_IDLE_MAX_S = 0.05
-"""With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine.
+"""With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine
+(predicted from read rates measured on earlier loads: until a tier was read from, its loads run
+in the background).
 A background load costs its request two engine steps after the read (one reports it, the
 next prefills it: measured 2-3 ms idle on the tiny model, a decode step each when busy); a
 load in the step costs nothing when nothing else runs, but holds up a request that arrives
@@ -321,11 +324,18 @@ class SchedulerRole:
         return ext, state.background
 
     def _in_background(self, chunk_tiers: Sequence[str], start: int, end: int) -> bool:
-        """Whether to load in the background (``load_mode``; ``SYNC_IDLE_MAX_S``)."""
+        """Whether to load in the background (``load_mode``; ``SYNC_IDLE_MAX_S``). ``auto`` trusts
+        only measured read rates: on a prior (a tier not read from yet), a slow or stalling tier
+        would hold the step, where an abort cannot stop it, for as long as its reads take."""
         mode = self.connector_config.load_mode
         if mode != "auto":
             return mode == "async"
-        return not (self._idle and self.predicted_load_s(chunk_tiers, start, end) <= SYNC_IDLE_MAX_S)
+        if not self._idle:
+            return True
+        used = set(chunk_tiers[start // self.chunk_tokens:-(-end // self.chunk_tokens)]) - {"", HOST.name}
+        if not used <= self.rates.measured.keys():
+            return True
+        return self.predicted_load_s(chunk_tiers, start, end) > SYNC_IDLE_MAX_S
 
     def _decided(self, lookup: PendingLookup, decision: str, state: RequestState) -> None:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
