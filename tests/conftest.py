@@ -7,6 +7,7 @@ directory tests: ``pool_dir``, ``open_pool``, ``kvt_files``, ``bytes_on_disk``, 
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from kvtier.format import PAYLOAD_OFFSET, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, Namespace, chunk_ids
 from kvtier.layout import DTYPE_CODES
 from kvtier.tiers.base import Chunk
+from kvtier.tiers.pagecache import cached_bytes
 from kvtier.tiers.pool import PoolTier
 
 CHUNK_TOKENS = 16
@@ -132,6 +134,17 @@ def within(fn: Callable[[], Any], seconds: float) -> Any:
     t.join(seconds)
     assert not t.is_alive(), f"{fn} blocked for over {seconds} s"
     return out[0] if out else None
+
+
+def require_cachestat(path: Path) -> None:
+    """Skip the test unless the kernel can tell how much of ``path`` the page cache holds
+    (``cachestat``, Linux 6.5): without it no read counts as a page-cache hit."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cached_bytes(fd) is None:
+            pytest.skip("the kernel has no cachestat (Linux < 6.5): reads never claim the page cache")
+    finally:
+        os.close(fd)
 
 
 def kvt_files(root: Path) -> list[Path]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvtier.tiers.files as files_mod
+from conftest import require_cachestat
 from kvtier.format import PAYLOAD_OFFSET
 from kvtier.reader import Placement
 from kvtier.store import TieredStore
@@ -54,12 +55,7 @@ def _warm_local(pool: PoolTier, path: Path) -> None:
     """Skip unless reads there can be page-cache hits of a local filesystem, known as such."""
     if not cache_hits_are_local(str(path)):
         pytest.skip(f"{path} is not on a local filesystem")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if cached_bytes(fd) is None:
-            pytest.skip("the kernel has no cachestat (Linux < 6.5): no read counts as a page-cache hit")
-    finally:
-        os.close(fd)
+    require_cachestat(path)
 
 
 def _stored(open_pool, tiny) -> tuple[PoolTier, Chunk, Path]:

@@ -9,7 +9,6 @@ ops on itself alone, without changing the engine's thread count.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 
@@ -17,10 +16,11 @@ import pytest
 import torch
 
 import kvtier.reader as reader
+from conftest import require_cachestat
 from kvtier.libc import openmp
 from kvtier.threads import executor, thread
 from kvtier.tiers.faulty import FaultyTier
-from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes, filesystem_type
+from kvtier.tiers.pagecache import cache_hits_are_local, filesystem_type
 
 C = 16  # the tiny model's chunk tokens
 
@@ -104,12 +104,7 @@ def test_the_file_tier_says_when_the_page_cache_served_a_read(make_store, tiny, 
     store.put(tokens, tiny.kv(C * 2, seed=7))
     store.flush()
     (path,) = list((tmp_path / "pool").rglob("*.kvt"))[:1]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if cached_bytes(fd) is None:
-            pytest.skip("the kernel has no cachestat (Linux < 6.5): reads never claim the page cache")
-    finally:
-        os.close(fd)
+    require_cachestat(path)
     pool = store.tiers[0]
     spec = store._spec(store._namespace(None))
     got = [pool.load(cid, spec) for cid in store.chunk_ids(tokens)]
