@@ -161,7 +161,12 @@ def main() -> int:
     if args.worker:
         worker(args.worker)
         return 0
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-decode-stall-"))
+    with tempfile.TemporaryDirectory(prefix="kvtier-decode-stall-") as scratch:
+        return _bench(args, Path(scratch))
+
+
+def _bench(args: argparse.Namespace, tmp: Path) -> int:
+    """The run itself; `tmp` is scratch space that main removes afterwards."""
     from kvtier.bench.model import model_or_tiny
 
     model = model_or_tiny(args.model, tmp)

@@ -153,12 +153,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-gpu-path-"))
     results = []
-    for name in args.layouts.split(","):
-        r = check_layout(name, args, device, tmp)
-        results.append(r)
-        print(f"{name}: {r}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvtier-gpu-path-") as scratch:
+        for name in args.layouts.split(","):
+            r = check_layout(name, args, device, Path(scratch))
+            results.append(r)
+            print(f"{name}: {r}", file=sys.stderr, flush=True)
     nbytes = max(r["bytes"] for r in results)
     d2h, h2d = plain_copy_gbps(nbytes, device, args.repeats)
     summary = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"

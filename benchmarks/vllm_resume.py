@@ -281,7 +281,12 @@ def _checks(args: argparse.Namespace, results: dict[str, Any], model: Path, pool
 
 def main() -> int:
     args = _args()
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as scratch:
+        return _bench(args, Path(scratch))
+
+
+def _bench(args: argparse.Namespace, tmp: Path) -> int:
+    """The run itself; `tmp` is scratch space that main removes afterwards."""
     from kvtier.bench.model import model_or_tiny
 
     model = model_or_tiny(args.model, tmp)

@@ -19,7 +19,9 @@ input that caused it. With no corpus directory given, one is made holding a vali
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +49,7 @@ NAMESPACE = Namespace("fuzz", LAYOUT, 16)
 SPEC = ChunkSpec(NAMESPACE.digest, DTYPE_CODES[LAYOUT.dtype], LAYOUT.shape(16), 16 * LAYOUT.bytes_per_token)
 CHUNK = chunk_ids(NAMESPACE, list(range(16)))[0]
 WORK = Path(tempfile.mkdtemp(prefix="kvtier-fuzz-"))
+atexit.register(shutil.rmtree, WORK, True)  # atheris ends the process with sys.exit
 FILE = WORK / f"{CHUNK.key.hex()}.kvt"
 
 

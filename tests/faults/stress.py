@@ -15,6 +15,7 @@ import argparse
 import importlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,30 +71,34 @@ def main() -> int:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; see --list")
     scale = SCALES[args.scale]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvtier-faults-"))
-    rows: list[FaultRow] = []
-    failures: list[str] = []
-    for name, reg in SCENARIOS.items():
-        if args.only and name not in args.only:
-            continue
-        if reg.needs_root and not is_root():
-            print(f"-- {name}: skipped (needs root)", flush=True)
-            continue
-        print(f"-- {name} ({scale.name})", flush=True)
-        t0 = time.perf_counter()
-        got = reg.run(scale, workdir / name.replace(" ", "-").replace(":", "").replace(",", "").replace("+", ""))
-        for row in got:
-            try:
-                row.check()
-            except AssertionError as exc:
-                failures.append(str(exc))
-            print(f"   {row.fault}: injected {row.injected}, served {row.served}/{row.requests}, "
-                  f"identical {row.identical}, wrong {row.wrong}, lost {row.lost}, crashes {row.crashes}; "
-                  f"{row.notes}", flush=True)
-        print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
-        rows += got
+    try:
+        rows: list[FaultRow] = []
+        failures: list[str] = []
+        for name, reg in SCENARIOS.items():
+            if args.only and name not in args.only:
+                continue
+            if reg.needs_root and not is_root():
+                print(f"-- {name}: skipped (needs root)", flush=True)
+                continue
+            print(f"-- {name} ({scale.name})", flush=True)
+            t0 = time.perf_counter()
+            got = reg.run(scale, workdir / name.replace(" ", "-").replace(":", "").replace(",", "").replace("+", ""))
+            for row in got:
+                try:
+                    row.check()
+                except AssertionError as exc:
+                    failures.append(str(exc))
+                print(f"   {row.fault}: injected {row.injected}, served {row.served}/{row.requests}, "
+                      f"identical {row.identical}, wrong {row.wrong}, lost {row.lost}, crashes {row.crashes}; "
+                      f"{row.notes}", flush=True)
+            print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
+            rows += got
+    finally:  # a scratch folder of our own goes; one the caller named stays for inspection
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     write_results(rows, args.out, _meta(scale.name))
     print(markdown_table(rows))
-    print(f"\nwrote {args.out / 'rows.json'} and {args.out / 'table.md'}; scratch in {workdir}")
+    print(f"\nwrote {args.out / 'rows.json'} and {args.out / 'table.md'}")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
