@@ -505,7 +505,7 @@ def test_a_slow_lookup_answers_not_yet_then_gives_up_after_lookup_timeout_s(tmp_
     req = request("s", list(range(6000, 6000 + 2 * CHUNK + 1)))
     t0 = time.monotonic()
     assert role.get_num_new_matched_tokens(req, 0) == (None, False)  # never blocks on the pool
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.5  # idle: LOOKUP_IDLE_WAIT_S at most, far from the 1 s lookup
     assert ask(role, req) == (0, False)
     assert 0.2 <= time.monotonic() - t0 < 1.0 and counters["lookup_timeouts"] == 1
 
@@ -519,8 +519,11 @@ def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch
     waits: list[float] = []
     real_wait = scheduler_module.cf.wait
 
+    me = threading.current_thread()
+
     def spy(fs: Any, timeout: float | None = None, **kw: Any) -> Any:
-        waits.append(timeout or 0.0)
+        if threading.current_thread() is me:  # not a thread an earlier test left waiting (cf.wait is global)
+            waits.append(timeout or 0.0)
         return real_wait(fs, timeout=timeout, **kw)
 
     monkeypatch.setattr(scheduler_module.cf, "wait", spy)
@@ -543,6 +546,37 @@ def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch
     assert waits == [scheduler_module.LOOKUP_BUSY_WAIT_S]  # the second call did not wait
     release.set()
     assert ask(role, slow) == (0, False)
+
+
+def test_an_idle_engine_waits_for_lookups_up_to_one_budget_per_scheduling_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle, a lookup slower than a poll (cold metadata after a restart) is answered in the call
+    that asked, so the request runs alone rather than batched with the next arrival; all calls
+    of one pass together wait at most LOOKUP_IDLE_WAIT_S, and the next pass has it again."""
+    from kvtier.integrations.vllm import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "LOOKUP_IDLE_WAIT_S", 0.3)
+    role, _ = make_scheduler()
+    role.build_connector_meta(output())  # nothing scheduled: idle, a fresh budget
+    req = request("i", list(range(9500, 9500 + 3 * CHUNK + 1)))
+    held(role, req, 3)
+    role.locate = lambda state, first=0: (time.sleep(0.05), ["host"] * 3)[1]  # type: ignore[method-assign]
+    assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)  # 50 ms: answered in the call
+
+    release = threading.Event()
+    role.locate = lambda state, first=0: (release.wait(5), [])[1]  # type: ignore[method-assign]
+    stuck = [request(f"s{i}", list(range(10_000 * (i + 2), 10_000 * (i + 2) + CHUNK + 1))) for i in range(2)]
+    t0 = time.monotonic()
+    assert role.get_num_new_matched_tokens(stuck[0], 0) == (None, False)  # spends what is left
+    assert role.get_num_new_matched_tokens(stuck[1], 0) == (None, False)  # nothing left: no wait
+    took = time.monotonic() - t0
+    assert 0.2 <= took < 0.5, took  # about 0.3 - 0.05, not twice that
+    role.build_connector_meta(output())  # the next pass, still idle
+    t0 = time.monotonic()
+    assert role.get_num_new_matched_tokens(stuck[1], 0) == (None, False)
+    assert 0.25 <= time.monotonic() - t0 < 0.6
+    release.set()
+    assert ask(role, stuck[1]) == (0, False)
 
 
 def test_the_lookup_starts_after_vllms_own_hit_and_is_cached_across_attempts() -> None:
