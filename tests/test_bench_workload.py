@@ -56,3 +56,23 @@ def test_a_larger_set_extends_a_smaller_one_and_the_old_import_paths_still_work(
     assert bench_workload.parse_range is workload.parse_range and workload.parse_range("4k-16k") == (4096, 16384)
     with pytest.raises(ValueError, match="cold-resume needs turns >= 2"):
         workload.WorkloadSpec("cold-resume", turns=1)
+
+
+def test_warmup_sessions_have_the_cold_shape_other_ids_and_only_unmeasured_turns(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from kvtier.bench.configs import presets
+    from kvtier.bench.suite import cold_sessions, warmup_sessions
+
+    spec = presets("quick", Path(str(tmp_path)))
+    spec.warmup_sessions = 2
+    text = bench_workload.TextMaker(None)
+    warm = warmup_sessions(spec, text)
+    measured = [s for group in cold_sessions(spec, text).values() for s in group]
+    assert len(warm) == 2 and not {s.id for s in warm} & {s.id for s in measured}
+    assert not {s.context for s in warm} & {s.context for s in measured}  # no cache carries over
+    assert all(len(s.turns) == spec.cold.turns for s in warm)
+    assert [(t.phase, t.measured) for t in warm[0].turns] == [("populate", False)] + [
+        ("warmup", False)] * (spec.cold.turns - 1)
+    # The measured sessions keep their resume turns measured.
+    assert all(t.measured for s in measured for t in s.turns[1:])

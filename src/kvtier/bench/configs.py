@@ -39,6 +39,7 @@ class SuiteSpec:
     sessions_per_concurrency: int = 3  # cold-resume sessions at concurrency c: max(cold.sessions, this * c)
     extra: Sequence[WorkloadSpec] = ()  # short-chat / chat workloads run after the resume phase
     run_cold: bool = True  # False: only the ``extra`` workloads (e.g. a short-chat-only run)
+    warmup_sessions: int = 0  # cold-resume sessions populated and resumed first, never measured
     host_bytes: str = "1GiB"
     chunk_tokens: int = 256  # kvtier's configurations: tokens per chunk (a multiple of the block size)
     kvtier_settings: Mapping[str, Any] = field(default_factory=dict)  # more of their settings (kvtier_setting)

@@ -89,6 +89,20 @@ def cold_sessions(spec: SuiteSpec, text: TextMaker) -> dict[int, list[Session]]:
     return out
 
 
+WARMUP_FIRST_ID = 1_000_000  # warm-up sessions' ids: apart from every measured set's
+
+
+def warmup_sessions(spec: SuiteSpec, text: TextMaker) -> list[Session]:
+    """``spec.warmup_sessions`` cold-resume sessions of the same shape whose every turn is
+    unmeasured (phase ``warmup`` after the populate turn): each engine populates them with the
+    rest and, after its restart, resumes them one at a time before the measured resumes."""
+    group = make_sessions(replace(spec.cold, sessions=spec.warmup_sessions), text, first_id=WARMUP_FIRST_ID)
+    for session in group:
+        for turn in session.turns[1:]:
+            turn.phase, turn.measured = "warmup", False
+    return group
+
+
 def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recorder: Recorder,
                origin: float, progress: Callable[[str], None]) -> dict[str, Any]:
     """Run every workload on one configuration; returns its configs.json entry."""
@@ -108,9 +122,14 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
         progress(f"{config}: starting {n} engine(s)")
         runner.start()
         sessions = cold_sessions(spec, text) if spec.run_cold else {}
+        warm = warmup_sessions(spec, text) if sessions and spec.warmup_sessions > 0 else []
+        warm_tags = {**tags, "workload": "cold-resume", "concurrency": next(iter(sessions), 1)}
         # Turn t of session s runs on instance (s + t) % n: with two, every resume changes instance.
         client = LoadClient(runner.targets(), timeout_s=spec.request_timeout_s, origin=origin,
                             route=lambda s, t: (s.id + t) % n)
+        if warm:
+            progress(f"{config}: populate {len(warm)} warm-up session(s)")
+            asyncio.run(client.run(warm, range(0, 1), 1, on_record=recorder, tags=warm_tags))
         for c, group in sessions.items():
             progress(f"{config}: populate, concurrency {c} ({len(group)} sessions)")
             asyncio.run(client.run(group, range(0, 1), c, on_record=recorder,
@@ -120,6 +139,10 @@ def run_config(spec: SuiteSpec, config: str, model: Path, text: TextMaker, recor
             progress(f"{config}: restarting (evicts vLLM's cache and any DRAM tier; storage survives)")
             runner.restart()
             client.targets = runner.targets()
+        if warm:  # the same first requests for every configuration, the floor included
+            progress(f"{config}: resume {len(warm)} warm-up session(s), not measured")
+            asyncio.run(client.run(warm, range(1, spec.cold.turns), 1, on_record=recorder, tags=warm_tags))
+            runner.check()
         for c, group in sessions.items():
             progress(f"{config}: resume, concurrency {c}")
             asyncio.run(client.run(group, range(1, spec.cold.turns), c, on_record=recorder,

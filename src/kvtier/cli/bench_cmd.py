@@ -81,6 +81,11 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--kvtier-setting", action="append", default=[], metavar="KEY=VALUE",
                        help="one more setting of kvtier's configurations (repeatable; VALUE read as YAML), "
                             "e.g. load_mode=sync or io_threads=4; recorded in env.json")
+    suite.add_argument("--warmup-sessions", type=int, default=0, metavar="N",
+                       help="cold-resume sessions each configuration populates with the rest and resumes first, "
+                            "one at a time, after its restart; never measured (default 0). A restarted engine's "
+                            "first requests pay one-time costs (the first read from each tier, cold metadata) "
+                            "that the floor's engine, never restarted, paid in the populate phase")
     suite.add_argument("--no-short-chat", action="store_true", help="skip the short-chat workload")
     suite.add_argument("--only-short-chat", action="store_true",
                        help="run only the short-chat workload (the boundary case), skipping cold resume")
@@ -149,6 +154,9 @@ def _suite(args: argparse.Namespace) -> int:
     if args.short_sessions:
         spec.extra = tuple(replace(w, sessions=args.short_sessions) if w.workload == "short-chat" else w
                            for w in spec.extra)
+    if args.warmup_sessions < 0:
+        raise ValueError(f"--warmup-sessions: 0 or more, got {args.warmup_sessions}")
+    spec.warmup_sessions = args.warmup_sessions
     spec.instances = args.instances
     spec.lmcache_python = args.lmcache_python
     if args.no_probe:
