@@ -7,6 +7,8 @@ sends the same kind of prompts (new ones each time, so every one is a full prefi
 warm-up request, and stops it. Variants (``--variants``):
 
 * ``plain``: vLLM without a connector;
+* ``noop``: vLLM with a KV connector that does nothing (``benchmarks/noop_connector.py``):
+  the cost of vLLM's own calls into any connector;
 * ``connector``: kvtier loaded, nothing stored (``host_bytes: 0``, no disk, no pool): the cost
   of the connector's presence (vLLM's CPU binding, the hooks);
 * ``host``: kvtier saving into host DRAM only (the gather on the engine thread);
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import statistics
@@ -43,11 +46,14 @@ from kvtier.bench.model import ensure_model
 from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
 
-VARIANTS = ("plain", "connector", "host", "pool", "pool-no-tails")
+VARIANTS = ("plain", "noop", "connector", "host", "pool", "pool-no-tails")
+
+
+NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector", "kv_role": "kv_both"}
 
 
 def settings(variant: str, work: Path) -> dict[str, Any] | None:
-    if variant == "plain":
+    if variant in ("plain", "noop"):
         return None
     base: dict[str, Any] = {"chunk_tokens": 256, "metrics_file": str(work / "metrics")}
     if variant == "connector":
@@ -87,10 +93,13 @@ def measure(variant: str, model: Path, work: Path, text: TextMaker, args: argpar
     port = free_port()
     vllm = engine_argv(SuiteSpec(work), model, port, args.tokens + 1024)
     conf = settings(variant, work)
+    env = engine_env(args.kv_cache_gib)
+    if variant == "noop":
+        vllm = [*vllm, "--kv-transfer-config", json.dumps(NOOP)]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     argv = ([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm] if conf is None
             else kvtier_serve_argv(conf, work / "kvtier.yaml", vllm))
-    proc = Process(variant, argv, work / "engine.log", engine_env(args.kv_cache_gib),
-                   ready_url=f"http://127.0.0.1:{port}/health")
+    proc = Process(variant, argv, work / "engine.log", env, ready_url=f"http://127.0.0.1:{port}/health")
     proc.start(300)
     try:
         client = LoadClient([Target(f"http://127.0.0.1:{port}", "bench")])

@@ -13,6 +13,9 @@ command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y 
 if ! { command -v glusterd >/dev/null && [ -x /sbin/mount.glusterfs ]; } && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq glusterfs-server glusterfs-client
 fi
+# Free disk, for the log: the venvs take about 10 GB (.venv-test 3.6, .venv-sglang 6.1) and the run
+# writes a few hundred MB under /tmp; a shared CI disk has run out mid-run before (ENOSPC).
+df -h . /tmp 2>/dev/null | sed 's/^/disk: /' >&2 || true
 VENV=${KVTIER_TEST_VENV:-.venv-test}
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
