@@ -552,7 +552,8 @@ def test_an_idle_engine_waits_for_lookups_up_to_one_budget_per_scheduling_pass(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Idle, a lookup slower than a poll (cold metadata after a restart) is answered in the call
     that asked, so the request runs alone rather than batched with the next arrival; all calls
-    of one pass together wait at most LOOKUP_IDLE_WAIT_S, and the next pass has it again."""
+    of one pass together wait at most LOOKUP_IDLE_WAIT_S, the next pass has it again, and a pass
+    that has scheduled a request to compute no longer waits (it would delay that request)."""
     from kvtier.integrations.vllm import scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "LOOKUP_IDLE_WAIT_S", 0.3)
@@ -575,6 +576,14 @@ def test_an_idle_engine_waits_for_lookups_up_to_one_budget_per_scheduling_pass(
     t0 = time.monotonic()
     assert role.get_num_new_matched_tokens(stuck[1], 0) == (None, False)
     assert 0.25 <= time.monotonic() - t0 < 0.6
+
+    # Once the pass has scheduled a request to compute, a fresh lookup waits only as when busy.
+    role.build_connector_meta(output())
+    role.update_state_after_alloc(req, blocks(list(range(13))), 0)
+    late = request("late", list(range(90_000, 90_000 + CHUNK + 1)))
+    t0 = time.monotonic()
+    assert role.get_num_new_matched_tokens(late, 0) == (None, False)
+    assert time.monotonic() - t0 < 0.2  # LOOKUP_BUSY_WAIT_S (1 ms), not the idle budget (0.3 s)
     release.set()
     assert ask(role, stuck[1]) == (0, False)
 

@@ -99,7 +99,8 @@ and it keeps a request whose lookup is slow (cold metadata after a restart: 6-9 
 the first of a pair) from waiting a pass: in that pass the next request arrives, both are
 scheduled in one step, and both wait for both prefills (mean TTFT of the first pair at
 concurrency 2: about 1.7x the floor's, where the floor runs them one step apart). A slow pool
-answers "not yet" after this and keeps its lookup running."""
+answers "not yet" after this and keeps its lookup running. Once the pass has scheduled a
+request to compute, the wait is over: it would delay that request's step."""
 SYNC_IDLE_MAX_S = 0.05
 """With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine
 (predicted from read rates measured on earlier loads: until a tier was read from, its loads run
@@ -282,11 +283,12 @@ class SchedulerRole:
                 state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
                 future.add_done_callback(lookup.mark_done)
         if not lookup.future.done() and self._idle and self._idle_wait_left > 0:
-            # Idle, the wait stalls no one: up to LOOKUP_IDLE_WAIT_S per pass, all calls together.
+            # Idle, the wait stalls no one: up to LOOKUP_IDLE_WAIT_S per pass, all calls together,
+            # until this pass schedules a request to compute (update_state_after_alloc).
             t0 = time.monotonic()
             cf.wait([lookup.future], timeout=self._idle_wait_left)
             self._idle_wait_left -= time.monotonic() - t0
-        elif not lookup.future.done() and fresh and not self._idle:
+        elif not lookup.future.done() and fresh:
             # Answering in this call saves the request an engine step; a lookup of local files
             # takes well under a millisecond. Busy, the wait delays this step by at most
             # LOOKUP_BUSY_WAIT_S, and only in the call that started the lookup (a slow pool's
@@ -374,6 +376,8 @@ class SchedulerRole:
         state = self._state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
         state.lookup = None  # scheduled: a later lookup (after a preemption) starts afresh
+        if not (num_external_tokens and state.background):
+            self._idle_wait_left = 0.0  # it computes in this step: waiting now would delay it
         if num_external_tokens == 0:
             state.load = None
         elif state.background and state.load is not None:
