@@ -35,6 +35,7 @@ if [ "$SGLANG" = 1 ]; then
     # Built beside the main run (mostly downloads and unpacking, about 3 minutes on a fresh
     # machine) rather than after it: the full run stays under CI's 45 minutes.
     SGL_LOG=$(mktemp)
+    trap 'rm -f "$SGL_LOG"' EXIT
     PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV" >"$SGL_LOG" 2>&1 &
     SGL_PID=$!
 fi
