@@ -181,6 +181,32 @@ def test_corrupt_chunk_is_removed_for_every_instance(open_pool, tiny):
     assert b_tier.metrics.snapshot().corrupt_chunks == 1
 
 
+def test_timing_a_read_never_judges_a_file_and_refuses_what_is_not_a_chunk(open_pool, tiny, pool_dir):
+    """``time_read`` (the scheduler's rate probe) reads raw bytes: a corrupt neighbour's file is
+    timed and left in place (its load judges it), a symlink, FIFO or oversized file is not read."""
+    pool = open_pool()
+    a, b, c, d = tiny.chunks(4)
+    for chunk in (a, b):
+        pool.store(chunk, tiny.spec())
+    size = pool.files.path_for(a.id.key).stat().st_size
+    timed = pool.time_read(a.id, size)
+    assert timed is not None and timed[0] == size and timed[1] > 0
+    path = pool.files.path_for(b.id.key)
+    path.write_bytes(b"\xff" * size)  # right size, wrong bytes
+    assert pool.time_read(b.id, size) is not None and path.exists()
+    assert pool.time_read(b.id, size - 1) is None  # over max_bytes: not read
+    target = pool.files.path_for(c.id.key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(path)
+    fifo = pool.files.path_for(d.id.key)
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    assert pool.time_read(c.id, size) is None and pool.time_read(d.id, size) is None  # never followed, never waited on
+    assert pool.time_read(tiny.chunks(5)[4].id, size) is None  # absent
+    assert target.is_symlink() and fifo.exists() and path.exists()
+    assert pool.metrics.snapshot().corrupt_chunks == 0
+
+
 def test_evict_removes_least_recently_used_by_mtime(open_pool, tiny):
     pool = open_pool()
     chunks = tiny.chunks(5)

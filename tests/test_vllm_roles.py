@@ -484,6 +484,39 @@ def test_auto_loads_from_a_tier_in_the_step_only_once_its_read_rate_was_measured
     assert role._in_background(["host", "disk", "pool"], 0, 3 * CHUNK)  # the disk tier: still a prior
 
 
+def test_auto_times_a_tiers_first_read_so_a_restarted_engines_first_hit_loads_in_the_step(tmp_path: Any) -> None:
+    role, _ = make_scheduler(extra={"pool_url": f"fs://{tmp_path}", "host_bytes": 0, "load_mode": "auto"})
+    req = request("r", list(range(9000, 9000 + 3 * CHUNK + 1)))
+    publish_shards(tmp_path, role, req, 3, [0])
+    assert "pool" not in role.rates.measured
+    assert ask(role, req) == (3 * CHUNK, False)  # in the step: the probe measured the pool first
+    assert role.rates.measured == {"pool": 1}
+    files = list(tmp_path.glob("*/*/*.kvt"))
+    assert len(files) == 3 and all(f.exists() for f in files)  # read, never removed or rewritten
+    role.close()
+
+
+def test_a_tier_whose_first_read_is_slow_loads_in_the_background_and_is_measured_when_the_read_ends(
+        tmp_path: Any) -> None:
+    slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 0.3, "max_delay_s": 0.3, "ops": ["load"]}}
+    role, _ = make_scheduler(extra={"pool_url": f"fs://{tmp_path}", "host_bytes": 0, "load_mode": "auto",
+                                    "inject_faults": slow})
+    req = request("s", list(range(9500, 9500 + 3 * CHUNK + 1)))
+    publish_shards(tmp_path, role, req, 3, [0])
+    t0 = time.monotonic()
+    assert ask(role, req) == (3 * CHUNK, True)  # the probe outlasted PROBE_WAIT_S: background, as before
+    assert time.monotonic() - t0 < 0.25
+    deadline = time.monotonic() + 5
+    while "pool" not in role.rates.measured and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert role.rates.measured == {"pool": 1}
+    assert role.rates.read_rate("pool") < 1e6  # one small file (8 KiB) in >= 0.3 s; the prior was 1 GB/s
+    again = request("s2", list(range(9500, 9500 + 3 * CHUNK + 1)))
+    role.rates.observe_prefill(1, 1e-9)  # with no prefill rate known every hit pays off; keep that out
+    assert ask(role, again) == (3 * CHUNK, True)  # measured slow: still the background
+    role.close()
+
+
 def test_a_failed_async_load_makes_its_chunks_saved_again_once_recomputed() -> None:
     role, _ = make_scheduler(extra={"load_mode": "async"})
     req = request("f", list(range(5000, 5000 + 3 * CHUNK + 7)))

@@ -178,6 +178,11 @@ class TierBase:
     def describe_namespace(self, digest: bytes, info: dict[str, object]) -> None:
         return
 
+    def time_read(self, chunk: ChunkId, max_bytes: int) -> tuple[int, float] | None:
+        """Read ``chunk``'s bytes without validating, keeping or removing anything and return
+        (bytes, seconds): a read rate before any load (None: this tier cannot, or the read failed)."""
+        return None
+
 
 class ChangeJournal:
     """``(added, key)`` changes of a tier, kept only once ``enable`` was called: an engine

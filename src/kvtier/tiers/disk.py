@@ -93,6 +93,9 @@ class DiskTier(TierBase):
             self._forget(chunk.key)
         return result
 
+    def time_read(self, chunk: ChunkId, max_bytes: int) -> tuple[int, float] | None:
+        return self.files.time_read(chunk.key, max_bytes)
+
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         with self._lock:
             if chunk.id.key in self._index:

@@ -24,6 +24,7 @@ import errno
 import os
 import random
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -137,6 +138,16 @@ class FaultyTier:
             result = self.inner.load(chunk, spec, into, pages=pages)  # type: ignore[call-arg]
         # An injected delay stands for a slow device, whatever served the bytes after it.
         return replace(result, from_cache=False) if slept and result.from_cache else result
+
+    def time_read(self, chunk: ChunkId, max_bytes: int) -> tuple[int, float] | None:
+        """The inner tier's, after what ``load`` would suffer (its delay counts in the time)."""
+        t0 = time.perf_counter()
+        try:
+            miss, _ = self._before("load")
+        except OSError:
+            return None
+        timed = None if miss else getattr(self.inner, "time_read", lambda c, m: None)(chunk, max_bytes)
+        return None if timed is None else (timed[0], time.perf_counter() - t0)
 
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         try:

@@ -326,6 +326,38 @@ class ChunkFiles:
             _touch(path, touch_interval_s)
         return LoadResult(Status.HIT, got, from_cache=from_cache, in_place=got is None)
 
+    def time_read(self, key: ChunkKey, max_bytes: int) -> tuple[int, float] | None:
+        """Read chunk file ``key`` whole, as ``read`` would (O_DIRECT unless the page cache holds
+        it), and return (bytes, seconds); None when it is absent, not a regular file, over
+        ``max_bytes`` or unreadable. The bytes are neither validated nor kept, and the file is
+        never removed or touched: this only times the device (``RateProbe``), and a neighbour's
+        file is judged by the loads that use it, not here."""
+        path = self._path_str(key)
+        t0 = time.perf_counter()
+        try:
+            fd = self._open_read(path)
+        except (OSError, ChunkError):
+            return None
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode) or not 0 < size <= max_bytes:
+                return None
+            cached = cached_bytes(fd) if self.direct_io else None
+            direct = self.direct_io and not (cached is not None and cached >= size)
+            if self.direct_io and not direct:
+                set_direct(fd, False)
+            view = aligned_buffer(size).data
+            done = _read_all(fd, view, 0, stop_on_einval=direct)
+            if done < size:
+                set_direct(fd, False)
+                _read_all(fd, view, done)
+        except (OSError, ChunkError):
+            return None
+        finally:
+            os.close(fd)
+        return size, time.perf_counter() - t0
+
     def _open_read(self, path: str) -> int:
         """Open a chunk for reading without following a symlink or blocking on a FIFO.
 

@@ -153,6 +153,9 @@ class PoolTier(TierBase):
         # A corrupt chunk is useless to every instance: load removes it for all of them.
         return self.files.load(chunk, spec, into, self.metrics, TOUCH_INTERVAL_S, pages)
 
+    def time_read(self, chunk: ChunkId, max_bytes: int) -> tuple[int, float] | None:
+        return self.files.time_read(chunk.key, max_bytes)
+
     def store(self, chunk: Chunk, spec: ChunkSpec) -> StoreResult:
         """Publish ``chunk`` unless the pool is over its cap (then FAILED, counted in
         ``budget_refusals``: eviction is behind). Never evicts and never waits on another

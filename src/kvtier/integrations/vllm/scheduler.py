@@ -44,7 +44,8 @@ lookups themselves (file metadata of disk and pool) run on lookup threads.
   recomputing it (``load_policy: auto``), from rates measured in the running engine and sent
   back by the workers: the prefill rate of steps that computed many tokens and loaded nothing,
   and each tier's read bandwidth from the workers' own loads. Until measured, ``read_gbps``
-  (host DRAM: 10x) stands in.
+  (host DRAM: 10x) stands in; with ``load_mode: auto`` the first hit in a tier also times one
+  read there (``rateprobe.py``), so that tier's first load can run in the step.
 
 The per-request state is ``requests.RequestState``; the lookup view of the ranks' tiers is
 ``lookup.RankTiers``; KV events are ``events.py``; the load decision's rule is ``kvtier.policy``.
@@ -74,6 +75,7 @@ from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.lookup import RankTiers, ShardIds
 from kvtier.integrations.vllm.profile import Profiler
+from kvtier.integrations.vllm.rateprobe import RateProbe, Timed
 from kvtier.integrations.vllm.requests import PendingLookup, RequestState, Tail
 from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
 from kvtier.integrations.vllm.views import request_extra
@@ -103,8 +105,8 @@ answers "not yet" after this and keeps its lookup running. Once the pass has sch
 request to compute, the wait is over: it would delay that request's step."""
 SYNC_IDLE_MAX_S = 0.05
 """With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine
-(predicted from read rates measured on earlier loads: until a tier was read from, its loads run
-in the background).
+(predicted from measured read rates: until a tier was read from, by a load or by the lookup's
+timed first read, ``rateprobe.py``, its loads run in the background).
 A background load costs its request two engine steps after the read (one reports it, the
 next prefills it: measured 2-3 ms idle on the tiny model, a decode step each when busy); a
 load in the step costs nothing when nothing else runs, but holds up a request that arrives
@@ -140,6 +142,7 @@ class SchedulerRole:
         self.guard = TierGuard(store_config.read_timeout_s, store_config.tier_cooldown_s)
         self.events = events
         self.views = RankTiers(store_config, dep, self.guard, self.counters, connector_config.inject_faults)
+        self.probe = RateProbe(self.rates, store_config.chunk_bytes + (1 << 20))  # header and padding: < 1 MiB
         self.adapters = AdapterIdentities()
         self._warned: set[str] = set()
         self.profiler = Profiler(connector_config.profile_file) if connector_config.profile_file is not None else None
@@ -171,7 +174,24 @@ class SchedulerRole:
     def _lookup(self, state: RequestState, first: int) -> tuple[list[str], Tail | None]:
         """A lookup thread's work for one request: its chunks from ``first`` on, then its tail."""
         located = self.locate(state, first)
-        return located, self._find_tail(state, first, first + len(located))
+        tail = self._find_tail(state, first, first + len(located))
+        if self.connector_config.load_mode == "auto":
+            self._time_first_reads(state, first, located)
+        return located, tail
+
+    def _time_first_reads(self, state: RequestState, first: int, located: Sequence[str]) -> None:
+        """Each tier of the hit with no measured read rate: time one read there (``RateProbe``),
+        so ``auto`` can load in the step from the first hit on (rank 0's chunk stands for all)."""
+        todo = {name: i for i, name in reversed(list(enumerate(located)))
+                if name != HOST.name and name not in self.rates.measured}
+        if not todo:
+            return
+        levels = {level.name: level for level in self.views.by_rank.get(0, [])}
+        ids = self._shard_ids(state, self.dep.sharding.shards_of(0)[0])
+        for name, i in todo.items():
+            level = levels.get(name)
+            if isinstance(level, Timed):
+                self.probe.measure(level, ids[first + i])
 
     def _find_tail(self, state: RequestState, first: int, index: int) -> Tail | None:
         """The longest tail after full chunk ``index - 1`` that a load could use, or None.
@@ -622,5 +642,6 @@ class SchedulerRole:
         if self.profiler is not None:
             self.profiler.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.probe.close()
         self.guard.close()
         self.views.close()

@@ -69,6 +69,9 @@ class FileLookup:
     def lookup(self, ids: Sequence[ChunkId]) -> int:
         return self.files.leading_present(ids)
 
+    def time_read(self, chunk: ChunkId, max_bytes: int) -> tuple[int, float] | None:
+        return self.files.time_read(chunk.key, max_bytes)  # ``TierBase.time_read``
+
     def close(self) -> None:
         return  # holds no handles
 
