@@ -269,19 +269,13 @@ class ChunkFiles:
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
             cached = cached_bytes(fd) if self.direct_io or self._local else None
             from_cache = cached is not None and cached >= size
-            direct = self.direct_io and not from_cache
-            if not direct and self.direct_io:
-                set_direct(fd, False)
+            direct = self._use_direct(fd, from_cache)
             if pages is not None and from_cache and self._local:
                 _read_in_place(fd, size, spec, cid, pages)
                 return None, st.st_mtime, True
             buf = aligned_buffer(size) if into is None else into
             view = buf.data
-            done = _read_all(fd, view, 0, stop_on_einval=direct)
-            if done < size:
-                # O_DIRECT accepted at open but refused at read (some FUSE and NFS setups).
-                set_direct(fd, False)
-                _read_all(fd, view, done)
+            _fill(fd, view, direct)
         finally:
             os.close(fd)
         spec.decode(view, cid)
@@ -344,19 +338,19 @@ class ChunkFiles:
             if not stat.S_ISREG(st.st_mode) or not 0 < size <= max_bytes:
                 return None
             cached = cached_bytes(fd) if self.direct_io else None
-            direct = self.direct_io and not (cached is not None and cached >= size)
-            if self.direct_io and not direct:
-                set_direct(fd, False)
-            view = aligned_buffer(size).data
-            done = _read_all(fd, view, 0, stop_on_einval=direct)
-            if done < size:
-                set_direct(fd, False)
-                _read_all(fd, view, done)
+            _fill(fd, aligned_buffer(size).data, self._use_direct(fd, cached is not None and cached >= size))
         except (OSError, ChunkError):
             return None
         finally:
             os.close(fd)
         return size, time.perf_counter() - t0
+
+    def _use_direct(self, fd: int, from_cache: bool) -> bool:
+        """Whether to read ``fd`` with O_DIRECT: with ``direct_io``, unless the page cache holds the
+        file whole (``from_cache``: the flag is dropped, a memory copy beats a device read)."""
+        if self.direct_io and from_cache:
+            set_direct(fd, False)
+        return self.direct_io and not from_cache
 
     def _open_read(self, path: str) -> int:
         """Open a chunk for reading without following a symlink or blocking on a FIFO.
@@ -523,6 +517,15 @@ def _readv_all(fd: int, buffers: list[memoryview]) -> None:
             first += 1
         if n:  # resume inside a partly filled one
             buffers[first] = buffers[first][n:]
+
+
+def _fill(fd: int, view: memoryview, direct: bool) -> None:
+    """Fill ``view`` from the start of ``fd``. A read with O_DIRECT (``direct``) that the
+    filesystem accepted at open but refuses at read (some FUSE and NFS setups) ends buffered."""
+    done = _read_all(fd, view, 0, stop_on_einval=direct)
+    if done < len(view):
+        set_direct(fd, False)
+        _read_all(fd, view, done)
 
 
 def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:

@@ -182,8 +182,10 @@ class SchedulerRole:
     def _time_first_reads(self, state: RequestState, first: int, located: Sequence[str]) -> None:
         """Each tier of the hit with no measured read rate: time one read there (``RateProbe``),
         so ``auto`` can load in the step from the first hit on (rank 0's chunk stands for all)."""
-        todo = {name: i for i, name in reversed(list(enumerate(located)))
-                if name != HOST.name and name not in self.rates.measured}
+        todo: dict[str, int] = {}  # tier name -> its first chunk in the hit
+        for i, name in enumerate(located):
+            if name != HOST.name and name not in self.rates.measured:
+                todo.setdefault(name, i)
         if not todo:
             return
         levels = {level.name: level for level in self.views.by_rank.get(0, [])}
