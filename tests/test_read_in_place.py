@@ -107,11 +107,33 @@ def test_a_load_that_is_over_gets_nothing_written(open_pool, tiny):
     pool, a, path = _stored(open_pool, tiny)
     target = _Target(tiny.payload_bytes, admit=False)
     got = pool.load(a.id, tiny.spec(), pages=target.pages())
-    assert got.status is Status.MISS and not got.ok
+    assert got.status is Status.STOPPED and not got.ok
     assert target.bytes() == bytes(tiny.payload_bytes) and target.left == 0
     snap = pool.metrics.snapshot()
     assert (snap.read_races, snap.corrupt_chunks, snap.failed_reads, snap.bytes_read) == (0, 0, 0, 0)
     assert path.exists()  # nothing wrong with the chunk
+
+
+def test_the_disk_tier_keeps_a_chunk_whose_read_came_after_its_load_was_over(tiny, tmp_path):
+    """A request aborted while its load ran: the reads still queued find the load over. The
+    chunk is intact: the disk tier must still find it (it once forgot it as if deleted)."""
+    from kvtier.tiers.disk import DiskTier
+
+    disk = DiskTier(tmp_path / "disk", 1 << 20)
+    try:
+        (a,) = tiny.chunks(1, seed=5)
+        disk.store(a, tiny.spec())
+        path = disk.files.path_for(a.id.key)
+        if not cache_hits_are_local(str(path)):
+            pytest.skip(f"{path} is not on a local filesystem")
+        require_cachestat(path)
+        got = disk.load(a.id, tiny.spec(), pages=_Target(tiny.payload_bytes, admit=False).pages())
+        assert got.status is Status.STOPPED
+        assert disk.lookup([a.id]) == 1
+        assert disk.metrics.snapshot().chunks == 1
+        assert disk.load(a.id, tiny.spec()).status is Status.HIT
+    finally:
+        disk.close()
 
 
 def test_only_page_cache_hits_of_a_local_filesystem_are_read_in_place(open_pool, tiny, bits_equal):

@@ -409,6 +409,6 @@ class PrefixReader:
                 return _Loaded(tier.name, host.commit(slot, cid), result.from_cache)
             return _Loaded(tier.name, Lease(result.chunk, partial(self._buffers.give, into)), result.from_cache)
         give_back()
-        if result.status is not Status.MISS:
+        if result.status not in (Status.MISS, Status.STOPPED):
             log.info("chunk %s from %s: %s (%s)", cid.key.hex()[:12], tier.name, result.status.value, result.error)
         return None

@@ -50,6 +50,9 @@ class Status(enum.Enum):
     WRITTEN = "written"
     EXISTS = "exists"
     FAILED = "failed"
+    STOPPED = "stopped"
+    """A load's read that began after the load was over (``Pages.enter`` refused): nothing was
+    read, and nothing is known of the chunk (unlike MISS, which says it is gone)."""
 
 
 @dataclass(frozen=True)

@@ -313,7 +313,10 @@ class ChunkFiles:
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
         except _Ended:
-            return LoadResult(Status.MISS)  # ``pages.enter`` refused: the load is over, nothing was read
+            # ``pages.enter`` refused: the load is over (its request aborted, or it returned at an
+            # earlier miss) and nothing was read. Not a MISS: the disk tier would forget a chunk
+            # whose file is intact, and no lookup would find it again until a restart.
+            return LoadResult(Status.STOPPED)
         metrics.add(bytes_read=spec.payload_bytes if got is None else got.nbytes,
                     read_seconds=time.perf_counter() - t0)
         if time.time() - mtime > touch_interval_s:  # due by the read's own fstat (most hits are not)
