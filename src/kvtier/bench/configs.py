@@ -111,4 +111,4 @@ def kvtier_setting(text: str) -> tuple[str, Any]:
 # tests/test_bench_offloading.py holds the two equal.
 CONNECTOR_KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode",
                   "load_coalesce_ms", "save_decode", "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s",
-                  "trust_mm_identifiers", "events_max_chunks")
+                  "trust_mm_identifiers", "events_max_chunks", "allow_untested_vllm")

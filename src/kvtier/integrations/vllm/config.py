@@ -118,6 +118,9 @@ class ConnectorConfig:
     ``profile.py``). For benchmarks: off by default."""
     config: str | None = None
     """A kvtier YAML file with store settings (the extra config's own store settings win)."""
+    allow_untested_vllm: bool = False
+    """Run on a vLLM release the connector was not tested with (``releases.TESTED``) instead of
+    refusing to start; a change in vLLM's connector API may then fail requests or the engine."""
     inject_faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Tests only: ``{tier name: FaultyTier options}``."""
     file_settings: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -125,7 +128,7 @@ class ConnectorConfig:
 
     KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "load_coalesce_ms",
             "save_decode", "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers",
-            "events_max_chunks", "metrics_file", "profile_file", "config", "inject_faults")
+            "events_max_chunks", "metrics_file", "profile_file", "config", "inject_faults", "allow_untested_vllm")
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -147,6 +150,9 @@ class ConnectorConfig:
         if not self.retain_s <= self.max_retain_s < 1e9:  # (and finite: os.utime must take it)
             raise ValueError(f"kvtier setting retain_s / max_retain_s: need retain_s <= max_retain_s < 1e9 s, got "
                              f"{self.retain_s!r} and {self.max_retain_s!r}")
+        if not isinstance(self.allow_untested_vllm, bool):
+            raise ValueError(f"kvtier setting allow_untested_vllm: expected true or false, got "
+                             f"{self.allow_untested_vllm!r}")
         if not isinstance(self.trust_mm_identifiers, bool):
             raise ValueError(f"kvtier setting trust_mm_identifiers: expected true or false, got "
                              f"{self.trust_mm_identifiers!r}")

@@ -5,6 +5,7 @@ vLLM builds one instance in the engine-core process (role SCHEDULER) and one per
 nothing but the picklable metadata of ``common.py``. This class only validates the
 configuration (``config.py``: an unsupported deployment is refused here, at start) and
 forwards each call to ``SchedulerRole`` (``scheduler.py``) or ``WorkerRole`` (``worker.py``).
+A vLLM release it was not tested with is refused here too (``releases.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from kvtier.integrations.vllm.common import KVTierMetadata, KVTierWorkerMeta, Me
 from kvtier.integrations.vllm.config import REQUIRED_LAYOUT, ConnectorConfig, deployment, store_config
 from kvtier.integrations.vllm.counters import new_counters
 from kvtier.integrations.vllm.events import ChunkEvents
+from kvtier.integrations.vllm.releases import check as check_release
 from kvtier.integrations.vllm.scheduler import SchedulerRole
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource
 from kvtier.integrations.vllm.worker import WorkerRole
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,6 +64,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert transfer is not None, "vLLM builds a KV connector only from --kv-transfer-config"
         extra = transfer.kv_connector_extra_config
         self.connector_config, settings = ConnectorConfig.split(extra)
+        import vllm
+
+        warning = check_release(vllm.__version__, self.connector_config.allow_untested_vllm)
+        if warning is not None:
+            log.warning(warning)
         self.deployment = deployment(vllm_config, kv_cache_config)
         rank = _tp_rank(vllm_config) if role == KVConnectorRole.WORKER else 0
         self.store_config = store_config(self.connector_config, settings, vllm_config, self.deployment,
@@ -92,6 +99,20 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return REQUIRED_LAYOUT
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Sleep mode (vLLM 0.33+) is supported: the workers hold views of the KV tensors, and
+        ``unregister_kv_caches`` / ``restore_kv_caches`` stop and resume every byte kvtier moves
+        in or out of them around the sleep (``WorkerRole.sleep``). kvtier's tiers keep their
+        chunks meanwhile: sessions resume after the wake-up."""
+        return True
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM 0.34): kvtier keys chunks by the prompt's own tokens, never by hashes of
+        tokens the engine has not committed."""
+        return False
+
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -101,6 +122,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): see ``SchedulerRole.may_load_async``."""
+        return self.scheduler.may_load_async(request) if self.scheduler is not None else False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -123,6 +148,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return False, None
         return self.scheduler.request_finished(request, block_ids), None
 
+    def reset_cache(self) -> bool | None:
+        """vLLM resets the connector's cache (new weights): see ``SchedulerRole.reset_cache``."""
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """``BlockStored`` / ``BlockRemoved`` of kvtier's tiers since the last call (KV events on)."""
         return self.scheduler.take_events() if self.scheduler is not None else ()
@@ -137,6 +166,16 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.worker is not None
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
         self.worker.register_kv_caches(kv_caches, num_blocks)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+ is going to sleep and releases the KV cache's memory (``WorkerRole.sleep``)."""
+        if self.worker is not None:
+            self.worker.sleep()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM woke up: the KV cache is back where it was (``WorkerRole.wake``)."""
+        if self.worker is not None:
+            self.worker.wake()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

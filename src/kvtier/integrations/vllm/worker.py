@@ -88,6 +88,7 @@ class WorkerRole:
         self.paged: PagedKV | None = None
         self.mover: PageMover | None = None
         self.disabled = False
+        self.asleep = False  # vLLM's sleep mode released the KV cache's memory (``sleep``)
         self._reported_disabled = False
         self._failed_blocks: set[int] = set()
         self._jobs: dict[str, tuple[LoadJob, Load]] = {}
@@ -177,7 +178,27 @@ class WorkerRole:
             self.mover = PageMover(self.paged, store, self.blocks_per_chunk, thread_init=init)
 
     def _usable(self) -> PageMover | None:
-        return None if self.disabled else self.mover
+        return None if self.disabled or self.asleep else self.mover
+
+    def sleep(self) -> None:
+        """vLLM's sleep mode (0.33+) releases the KV cache's memory until ``wake``. vLLM has
+        drained its own transfers; kvtier's that still touch the KV tensors end here: background
+        loads are stopped and awaited (up to ``read_timeout_s``), save gathers are completed and
+        published. Until ``wake`` no byte moves in or out of the KV cache: a load is a failed
+        load (vLLM recomputes), a save is skipped. Idempotent."""
+        self.asleep = True
+        jobs = [job for job, _ in self._jobs.values()]
+        for job in jobs:
+            job.stop()
+        LoadJob.wait_all(jobs, self.store_config.read_timeout_s)
+        if self.mover is not None:
+            self.mover.fence()
+            self.mover.poll_saves(wait=True)
+        log.info("kvtier: rank %d asleep (vLLM sleep mode): no KV moves until the wake-up", self.rank)
+
+    def wake(self) -> None:
+        """vLLM woke up and the KV cache's memory is back at the same addresses: moves resume."""
+        self.asleep = False
 
     # ---------------------------------------------------------------- each step
 
