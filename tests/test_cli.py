@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli.demo_cmd import round_trip
+from kvtier.bench.demo import round_trip
 from kvtier.cli.main import main
 
 PROBE_KEYS = {"file_bytes", "serial_gbps", "parallel_gbps", "best_raw_gbps", "kvtier_read_gbps"}

@@ -505,7 +505,7 @@ def test_the_connector_itself_refuses_an_untested_vllm(monkeypatch: pytest.Monke
     from kvtier.integrations.vllm.releases import UntestedRelease
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    with pytest.raises(UntestedRelease, match="this is vLLM 0.99.0"):
+    with pytest.raises(UntestedRelease, match=r"this is vLLM 0\.99\.0"):
         KVTierConnector(vllm_config(), None, kv_config(full_spec()))  # type: ignore[arg-type]
 
 
