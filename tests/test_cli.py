@@ -146,6 +146,21 @@ def test_serve_builds_vllms_server_command_from_a_kvtier_config(
     assert ktc["kv_connector_extra_config"] == {"config": str(cfg)}
 
 
+def test_serve_refuses_an_untested_vllm_before_starting_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import serve_cmd
+
+    monkeypatch.setattr(serve_cmd, "installed_vllm", lambda: "0.35.1")
+    monkeypatch.setattr(serve_cmd.os, "execv", lambda *a: pytest.fail("vLLM was started"))
+    assert main(["serve", "--", "--model", "/m"]) == 2
+    assert "tested with vLLM 0.32.x, 0.33.x, 0.34.x; this is vLLM 0.35.1" in capsys.readouterr().err
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("allow_untested_vllm: true\n")
+    serve_cmd.check_vllm(str(cfg))  # allowed: no error
+    monkeypatch.setattr(serve_cmd, "installed_vllm", lambda: "0.34.0")
+    serve_cmd.check_vllm(None)
+
+
 def test_serve_refuses_a_second_kv_transfer_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--print-command", "--", "--kv-transfer-config", "{}"]) == 2
     assert "set by kvtier serve" in capsys.readouterr().err

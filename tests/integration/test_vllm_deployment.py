@@ -1,5 +1,7 @@
-"""The connector in the deployment shapes users run: KV memory pressure (preemption), tensor
-parallel 2, and vLLM's default failure policy. Real vLLM engines (CPU build), fresh processes.
+"""The connector in the deployment shapes users run, on the tiny model: KV memory pressure
+(preemption, synchronous loads), tensor parallel 2, and vLLM's default failure policy. Real
+vLLM engines (CPU build), fresh processes. The same shapes on a real model, where answers mean
+something: test_real_model.py (background loads under preemption, TP 1 and 3, conversations).
 
 Outputs are compared with plain vLLM (no connector) under the same configuration. The tiny
 random model is nearly uniform, so a run that computes the same prefix in another order can
@@ -61,46 +63,21 @@ def under_pressure(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return {"tmp": tmp, "prompts": prompts, "pressure": pressure, "plain": plain}
 
 
-@pytest.mark.parametrize("load_mode", ["async", "sync"])
-def test_preempted_requests_resume_with_their_kv_loaded_and_outputs_match_plain_vllm(
-        model: Path, under_pressure: dict[str, Any], load_mode: str) -> None:
+def test_preempted_requests_resume_with_their_kv_loaded_before_their_step_and_outputs_match_plain_vllm(
+        model: Path, under_pressure: dict[str, Any]) -> None:
     """vLLM preempts running requests and reschedules them. kvtier's host tier holds their
     prompt chunks by then, so each rescheduled request is a hit that must be loaded into its
-    new blocks, in the background (async) or before its step (sync); finished requests hold
-    their blocks until their generated tokens are copied (save_decode)."""
-    got, metrics = _runs.run_engine(model, under_pressure["tmp"], load_mode, under_pressure["prompts"],
-                                    {"host_bytes": "256MiB", "chunk_tokens": CHUNK, "load_mode": load_mode, **ALWAYS},
+    new blocks, here before its step (sync; in the background: test_real_model.py); finished
+    requests hold their blocks until their generated tokens are copied (save_decode)."""
+    got, metrics = _runs.run_engine(model, under_pressure["tmp"], "sync", under_pressure["prompts"],
+                                    {"host_bytes": "256MiB", "chunk_tokens": CHUNK, "load_mode": "sync", **ALWAYS},
                                     **under_pressure["pressure"])
     assert metrics["preemptions"] > 0
     sched, worker = metrics["scheduler"]["connector"], metrics["worker"]["connector"]
-    assert sched["resumed_loads"] > 0  # rescheduled requests were served from kvtier
-    assert (sched["async_loads"] > 0) == (load_mode == "async")
+    assert sched["resumed_loads"] > 0 and sched["async_loads"] == 0  # rescheduled requests loaded in their step
     assert worker["loaded_tokens"] == sched["matched_tokens"] > 0 and worker["failed_blocks"] == 0
     assert sched["decode_saves"] > 0  # 300 generated tokens: at least one chunk of each answer
     assert _runs.mismatches(got, under_pressure["plain"]) == []
-
-
-def test_each_turn_of_a_conversation_loads_the_previous_answer_from_the_pool(model: Path, tmp_path: Path) -> None:
-    """4 turns; each adds the previous answer and a new message. A fresh engine serves each
-    turn from the shared pool alone: its hit covers the previous turn's prompt *and* answer
-    (the full chunks and the tail's blocks of every token whose KV was computed), and outputs
-    equal recompute."""
-    rng = random.Random(11)
-    connector = {"chunk_tokens": CHUNK, "pool_url": f"fs://{tmp_path / 'pool'}", "host_bytes": "64MiB", **ALWAYS}
-    prompts: list[list[int]] = [[rng.randrange(100, 31000) for _ in range(700)]]
-    turns: list[dict[str, Any]] = []
-    for t in range(4):
-        (result,), _ = _runs.run_engine(model, tmp_path, f"turn{t}", [prompts[t]], connector, max_tokens=300)
-        turns.append(result)
-        prompts.append(prompts[t] + result["tokens"] + [rng.randrange(100, 31000) for _ in range(100)])
-    for t in range(1, 4):
-        computed = len(prompts[t - 1]) + len(turns[t - 1]["tokens"]) - 1  # the last token has no KV
-        saved = computed // CHUNK * CHUNK
-        assert saved > len(prompts[t - 1]) // CHUNK * CHUNK  # the answer added chunks
-        assert turns[t]["cached"] == min(computed // BLOCK * BLOCK, own_cache_hit(prompts[t]))
-    plain, _ = _runs.run_engine(model, tmp_path, "recompute", prompts[:4], None, max_tokens=300,
-                                reset_prefix_cache_at=[1, 2, 3])
-    assert _runs.mismatches(turns, plain) == []
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,10 @@ def build_llm(spec: dict[str, Any]) -> Any:
     # The same CPU binding with and without a KV connector (see kvtier.bench.suite).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     tp = int(spec.get("tensor_parallel_size", 1))
-    if tp > 1:  # vLLM's CPU build needs one core per rank named, or it refuses tensor parallel
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    if tp > 1:  # vLLM's CPU build needs a core per rank named, or it refuses tensor parallel (ranks
+        # past the machine's cores share them: TP=3 of a 3-head model on 2 cores)
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % cores) for i in range(tp)))
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}

