@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvtier.tiers.files as files_mod
+import kvtier.tiers.reads as reads_mod
 from conftest import require_cachestat
 from kvtier.format import PAYLOAD_OFFSET
 from kvtier.reader import Placement
@@ -167,7 +167,7 @@ def test_pages_of_the_wrong_size_are_a_bug_not_a_read(open_pool, tiny):
 
 def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, monkeypatch):
     pool, a, _ = _stored(open_pool, tiny)
-    monkeypatch.setattr(files_mod, "_IOV_MAX", 2)  # the header and one piece per preadv
+    monkeypatch.setattr(reads_mod, "_IOV_MAX", 2)  # the header and one piece per preadv
     real = os.preadv
     calls: list[int] = []
 
@@ -186,7 +186,7 @@ def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, 
             return real(fd, parts, offset)
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(files_mod.os, "preadv", short)
+    monkeypatch.setattr(reads_mod.os, "preadv", short)
     target = _Target(tiny.payload_bytes, pieces=7)
     got = pool.load(a.id, tiny.spec(), pages=target.pages())
     assert got.ok and got.in_place

@@ -83,8 +83,7 @@ MAX_DESCRIBED = 256  # namespaces a process describes in the disk and pool direc
 class TieredStore:
     """KV chunks across host DRAM, local disk and a shared pool. See module docstring."""
 
-    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None,
-                 host: HostCache | None = None,
+    def __init__(self, config: StoreConfig, *, tiers: Sequence[Tier] | None = None, host: HostCache | None = None,
                  unavailable: Callable[[str, TierUnavailableError], None] | None = None,
                  thread_init: ThreadInit | None = None, faults: Faults | None = None) -> None:
         """Open host DRAM and the tiers ``config`` names; or, when ``tiers`` is given, use

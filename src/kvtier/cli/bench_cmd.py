@@ -22,8 +22,6 @@ DEFAULT_ACTION = "run"  # kvtier bench ARGS = kvtier bench run ARGS (cli.main.wi
 
 
 def add_parser(sub: Any) -> None:
-    from kvtier.bench.configs import CONFIGS
-
     bench = sub.add_parser(
         "bench", help="benchmark an OpenAI-compatible server, or run the side-by-side suite",
         description="Long-context cold-resume benchmarks. `kvtier bench run` drives any OpenAI-compatible "
@@ -53,6 +51,20 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     run.add_argument("--out", required=True, help="result folder (created; must not hold a run)")
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+    _add_suite_parser(bsub)
+
+    report = bsub.add_parser("report", help="redraw tables and plots from saved runs; compare several",
+                             description="Rebuild summary.json, summary.md, requests.csv and plots of each "
+                                         "result folder; with several, also write comparison.md.")
+    report.add_argument("dirs", nargs="+", help="result folders")
+    report.add_argument("--out", default=None, help="where to write (default: each run's own folder)")
+
+
+
+def _add_suite_parser(bsub: Any) -> None:
+    """``kvtier bench suite``'s sub-parser."""
+    from kvtier.bench.configs import CONFIGS
 
     suite = bsub.add_parser(
         "suite", help="start vLLM per configuration and run the same workload on each",
@@ -96,13 +108,6 @@ def add_parser(sub: Any) -> None:
     suite.add_argument("--no-probe", action="store_true", help="skip the storage probe recorded in env.json")
     suite.add_argument("--keep-work", action="store_true", help="keep OUT/work (pools, disks) afterwards")
     suite.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-
-    report = bsub.add_parser("report", help="redraw tables and plots from saved runs; compare several",
-                             description="Rebuild summary.json, summary.md, requests.csv and plots of each "
-                                         "result folder; with several, also write comparison.md.")
-    report.add_argument("dirs", nargs="+", help="result folders")
-    report.add_argument("--out", default=None, help="where to write (default: each run's own folder)")
-
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "report":

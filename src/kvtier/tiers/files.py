@@ -44,6 +44,7 @@ from kvtier.tiers.base import Chunk, LoadResult, Pages, Status, aligned_buffer
 from kvtier.tiers.listing import SUFFIX, ChunkFile
 from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
 from kvtier.tiers.presence import Presence
+from kvtier.tiers.reads import LoadEnded, fill, read_in_place
 
 log = logging.getLogger(__name__)
 __all__ = ["MARKER", "SUFFIX", "ChunkFile", "ChunkFiles"]
@@ -271,11 +272,11 @@ class ChunkFiles:
             from_cache = cached is not None and cached >= size
             direct = self._use_direct(fd, from_cache)
             if pages is not None and from_cache and self._local:
-                _read_in_place(fd, size, spec, cid, pages)
+                read_in_place(fd, size, spec, cid, pages)
                 return None, st.st_mtime, True
             buf = aligned_buffer(size) if into is None else into
             view = buf.data
-            _fill(fd, view, direct)
+            fill(fd, view, direct)
         finally:
             os.close(fd)
         spec.decode(view, cid)
@@ -312,7 +313,7 @@ class ChunkFiles:
                 log.warning("could not remove bad chunk %s (%s): %s", cid.key.hex()[:12], exc, rm_exc)
             metrics.add(corrupt_chunks=1)
             return LoadResult(Status.CORRUPT, error=str(exc))
-        except _Ended:
+        except LoadEnded:
             # ``pages.enter`` refused: the load is over (its request aborted, or it returned at an
             # earlier miss) and nothing was read. Not a MISS: the disk tier would forget a chunk
             # whose file is intact, and no lookup would find it again until a restart.
@@ -341,7 +342,7 @@ class ChunkFiles:
             if not stat.S_ISREG(st.st_mode) or not 0 < size <= max_bytes:
                 return None
             cached = cached_bytes(fd) if self.direct_io else None
-            _fill(fd, aligned_buffer(size).data, self._use_direct(fd, cached is not None and cached >= size))
+            fill(fd, aligned_buffer(size).data, self._use_direct(fd, cached is not None and cached >= size))
         except (OSError, ChunkError):
             return None
         finally:
@@ -476,75 +477,3 @@ def _touch(path: str, older_than_s: float) -> None:
             os.utime(path)
     except OSError:
         pass
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-class _Ended(Exception):
-    """``Pages.enter`` refused: the load the pages belong to is over."""
-
-
-def _read_in_place(fd: int, size: int, spec: ChunkSpec, cid: ChunkId, pages: Pages) -> None:
-    """Read a chunk file of ``size`` bytes: its header region into scratch memory, its payload
-    into ``pages.views``, its padding into scratch; validate header and payload checksum there.
-    All inside ``pages.enter``/``leave``. Raises ChunkError, OSError, or ``_Ended``."""
-    if sum(v.nbytes for v in pages.views) != spec.payload_bytes:
-        raise ValueError(f"pages of {sum(v.nbytes for v in pages.views)} B for a payload of {spec.payload_bytes} B")
-    head = memoryview(bytearray(PAYLOAD_OFFSET))
-    pad = size - PAYLOAD_OFFSET - spec.payload_bytes
-    buffers: list[memoryview] = [head, *pages.views]
-    if pad:
-        buffers.append(memoryview(bytearray(pad)))
-    if not pages.enter():
-        raise _Ended
-    try:
-        _readv_all(fd, buffers)
-        spec.decode_parts(head, pages.views, cid)
-    finally:
-        pages.leave()
-
-
-def _readv_all(fd: int, buffers: list[memoryview]) -> None:
-    """Fill ``buffers`` in order from the start of ``fd`` (``preadv``, ``_IOV_MAX`` at a time)."""
-    buffers = list(buffers)  # a partly filled one is replaced by its rest: not in the caller's list
-    offset, total = 0, sum(b.nbytes for b in buffers)
-    first = 0  # buffers[:first] are filled
-    while offset < total:
-        n = os.preadv(fd, buffers[first:first + _IOV_MAX], offset)
-        if n == 0:
-            raise ChunkError(ChunkFault.TRUNCATED, f"short read: {offset} of {total} B")
-        offset += n
-        while first < len(buffers) and n >= buffers[first].nbytes:  # skip what is filled
-            n -= buffers[first].nbytes
-            first += 1
-        if n:  # resume inside a partly filled one
-            buffers[first] = buffers[first][n:]
-
-
-def _fill(fd: int, view: memoryview, direct: bool) -> None:
-    """Fill ``view`` from the start of ``fd``. A read with O_DIRECT (``direct``) that the
-    filesystem accepted at open but refuses at read (some FUSE and NFS setups) ends buffered."""
-    done = _read_all(fd, view, 0, stop_on_einval=direct)
-    if done < len(view):
-        set_direct(fd, False)
-        _read_all(fd, view, done)
-
-
-def _read_all(fd: int, view: memoryview, done: int = 0, stop_on_einval: bool = False) -> int:
-    """Fill ``view[done:]`` from ``fd`` at the same offsets; returns the bytes filled.
-
-    With ``stop_on_einval`` an EINVAL (O_DIRECT accepted at open, refused at read, as on
-    some FUSE mounts) returns early so the caller can finish with a buffered read.
-    """
-    while done < len(view):
-        try:
-            n = os.preadv(fd, [view[done:]], done)
-        except OSError as exc:
-            if stop_on_einval and exc.errno == errno.EINVAL:
-                return done
-            raise
-        if n == 0:
-            raise ChunkError(ChunkFault.TRUNCATED, f"short read: {done} of {len(view)} B")
-        done += n
-    return done

@@ -202,26 +202,11 @@ class SchedulerRole:
         state.saved_chunks = max(state.saved_chunks, first)
         if self.connector_config.load_policy == "never" or self.disabled or not self.prefix.lookable(state):
             return 0, False
-        lookup, fresh = state.lookup, False
-        if lookup is None or lookup.first > first:
-            fresh = True
-            future = self._lookups.submit(self.prefix.find, state, first)
-            lookup = state.lookup = PendingLookup(first, time.monotonic(), future)
-            if state.profile is not None:
-                state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
-                future.add_done_callback(lookup.mark_done)
-        if not lookup.future.done() and self._idle and self._idle_wait_left > 0:
-            # Idle, the wait stalls no one: up to LOOKUP_IDLE_WAIT_S per pass, all calls together,
-            # until this pass schedules a request to compute (update_state_after_alloc).
-            t0 = time.monotonic()
-            cf.wait([lookup.future], timeout=self._idle_wait_left)
-            self._idle_wait_left -= time.monotonic() - t0
-        elif not lookup.future.done() and fresh:
-            # Answering in this call saves the request an engine step; a lookup of local files
-            # takes well under a millisecond. Busy, the wait delays this step by at most
-            # LOOKUP_BUSY_WAIT_S, and only in the call that started the lookup (a slow pool's
-            # lookups, pending over many steps, never add up to a stall).
-            cf.wait([lookup.future], timeout=LOOKUP_BUSY_WAIT_S)
+        lookup = state.lookup
+        fresh = lookup is None or lookup.first > first
+        if lookup is None or fresh:
+            lookup = self._start_lookup(state, first)
+        self._wait(lookup, fresh)
         if not lookup.future.done():
             if time.monotonic() - lookup.started < self.connector_config.lookup_timeout_s:
                 return None, False
@@ -262,6 +247,31 @@ class SchedulerRole:
         state.load, state.tail = (num_computed_tokens, end), tail
         state.background = self.decide.in_background(chunk_tiers, num_computed_tokens, end, self._idle)
         return ext, state.background
+
+    def _start_lookup(self, state: RequestState, first: int) -> PendingLookup:
+        """The request's lookup of chunks ``first..``, on a lookup thread (``PrefixFinder.find``)."""
+        future = self._lookups.submit(self.prefix.find, state, first)
+        lookup = state.lookup = PendingLookup(first, time.monotonic(), future)
+        if state.profile is not None:
+            state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
+            future.add_done_callback(lookup.mark_done)
+        return lookup
+
+    def _wait(self, lookup: PendingLookup, fresh: bool) -> None:
+        """Wait for a lookup as long as this call may: idle, the wait stalls no one (up to
+        ``LOOKUP_IDLE_WAIT_S`` per pass, all calls together, until this pass schedules a request to
+        compute: ``update_state_after_alloc``). Busy, only the call that started the lookup
+        (``fresh``) waits, up to ``LOOKUP_BUSY_WAIT_S``: answering in this call saves the request an
+        engine step (a lookup of local files takes well under a millisecond), and a slow pool's
+        lookups, pending over many steps, never add up to a stall."""
+        if lookup.future.done():
+            return
+        if self._idle and self._idle_wait_left > 0:
+            t0 = time.monotonic()
+            cf.wait([lookup.future], timeout=self._idle_wait_left)
+            self._idle_wait_left -= time.monotonic() - t0
+        elif fresh:
+            cf.wait([lookup.future], timeout=LOOKUP_BUSY_WAIT_S)
 
     def _decided(self, lookup: PendingLookup, decision: str, state: RequestState) -> None:
         """Count a lookup's outcome once (``kvtier_load_decisions_total``)."""
