@@ -216,3 +216,24 @@ def test_the_connector_reaches_the_kv_cache_in_process_only(base: Any) -> None:
 
     assert KVTierConnector.kv_cache_access(base.kv_transfer_config) == KVCacheAccess.IN_PROCESS
     assert KVTierConnector.supports_lookahead_block_hashes(base.kv_transfer_config) is False
+
+
+def test_a_background_load_cut_by_sleep_is_recomputed_not_trusted(engines: Any, tmp_path: Path) -> None:
+    """vLLM goes to sleep while a request's load runs: the load stops, and since the blocks'
+    memory is released, none of them may count as loaded: vLLM recomputes the request."""
+    slow = {"disk": {"delay_prob": 1.0, "min_delay_s": 0.05, "max_delay_s": 0.05, "ops": ["load"]}}
+    engine = engines(settings(tmp_path, host_bytes=0, load_mode="async", inject_faults=slow))
+    run_alone(engine, [("first", PROMPT, 4)])
+    engine.runner.flush()
+    engine.reset_prefix_cache()
+    engine.add("cut", PROMPT, 4)
+    for _ in range(200):
+        engine.step()
+        if engine.counters().get("async_loads", 0):
+            break
+    engine.runner.connector.unregister_kv_caches()
+    engine.runner.connector.restore_kv_caches()
+    engine.run()
+    worker = engine.runner.connector.counters
+    assert worker["failed_blocks"] > 0
+    assert engine.outputs["cut"] == engine.outputs["first"]

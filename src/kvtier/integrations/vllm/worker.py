@@ -89,6 +89,7 @@ class WorkerRole:
         self.mover: PageMover | None = None
         self.disabled = False
         self.asleep = False  # vLLM's sleep mode released the KV cache's memory (``sleep``)
+        self._slept: set[str] = set()  # requests whose background load ``sleep`` stopped
         self._reported_disabled = False
         self._failed_blocks: set[int] = set()
         self._jobs: dict[str, tuple[LoadJob, Load]] = {}
@@ -184,10 +185,13 @@ class WorkerRole:
         """vLLM's sleep mode (0.33+) releases the KV cache's memory until ``wake``. vLLM has
         drained its own transfers; kvtier's that still touch the KV tensors end here: background
         loads are stopped and awaited (up to ``read_timeout_s``), save gathers are completed and
-        published. Until ``wake`` no byte moves in or out of the KV cache: a load is a failed
-        load (vLLM recomputes), a save is skipped. Idempotent."""
+        published. A load stopped here is a failed load, every block of it (their memory is
+        released: vLLM must recompute the request, not trust what was read before). Until
+        ``wake`` no byte moves in or out of the KV cache: a load is a failed load, a save is
+        skipped. Idempotent."""
         self.asleep = True
         jobs = [job for job, _ in self._jobs.values()]
+        self._slept.update(self._jobs)
         for job in jobs:
             job.stop()
         LoadJob.wait_all(jobs, self.store_config.read_timeout_s)
@@ -273,11 +277,14 @@ class WorkerRole:
             started = got.started or submitted
             self._load_times.append(LoadTime(load.req_id, self.rank, submitted, started, started + got.seconds,
                                              time.monotonic(), n, got.read_s, got.copy_s, slowest))
+        slept = load.req_id in self._slept  # stopped by ``sleep``: nothing it read survives
+        self._slept.discard(load.req_id)
         filled = sum(1 for b in load.block_ids[:n * bpc] if b is not None)
-        count(self.counters, "loaded_tokens", n=filled * self.block_size)
-        if got.stopped:
+        count(self.counters, "loaded_tokens", n=0 if slept else filled * self.block_size)
+        if got.stopped and not slept:
             count(self.counters, "stopped_loads")
             return  # an aborted request: vLLM frees its blocks, no recompute to ask for
+        n = 0 if slept else n
         failed = [b for b in load.block_ids[n * bpc:] if b is not None]
         log.debug("kvtier: loaded %d of %d chunks of %s in %.1f ms", n, len(load.chunk_ids), load.req_id,
                   got.seconds * 1e3)
