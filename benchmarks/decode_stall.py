@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.summary import quantile
+from kvtier.tiers.poolroot import scratch_pool
 
 
 async def _stream(engine: Any, prompt: list[int], params: Any, req_id: str, times: list[float]) -> int:
@@ -176,7 +177,7 @@ def _bench(args: argparse.Namespace, tmp: Path) -> int:
     streams = [[rng.randrange(100, 31000) for _ in range(64)] for _ in range(args.streams)]
     warmup = [rng.randrange(100, 31000) for _ in range(512)]
     latency = args.chunk_latency_ms / 1e3
-    extra = {"pool_url": f"fs://{tmp / 'pool'}", "host_bytes": "512MiB", "io_threads": args.io_threads,
+    extra = {"pool_url": scratch_pool(tmp / "pool"), "host_bytes": "512MiB", "io_threads": args.io_threads,
              "load_policy": "always"}
     slow = {"pool": {"delay_prob": 1.0, "min_delay_s": latency, "max_delay_s": latency, "ops": ["load"]}}
     base = {"model": str(model), "resumes": resumes, "streams": streams, "warmup": warmup,

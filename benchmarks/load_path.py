@@ -46,6 +46,7 @@ from kvtier.integrations.paged import PagedKV, head_dim_of
 from kvtier.probe.fs import drop_cache
 from kvtier.reader import Placement
 from kvtier.tiers.base import aligned_buffer
+from kvtier.tiers.poolroot import scratch_pool
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> float:
@@ -166,7 +167,7 @@ def main() -> int:
     results: dict[str, Any] = {"files": args.chunks * args.shards, "repeats": args.repeats}
     for threads in [int(x) for x in args.io_threads.split(",")]:
         config = StoreConfig(model_id="load-path", layout=layout, chunk_tokens=256, host_bytes=0,
-                             pool_url=f"fs://{args.dir / 'pool'}", io_threads=threads)
+                             pool_url=scratch_pool(args.dir / "pool"), io_threads=threads)
         store = TieredStore(config)
         try:
             ids = list(store.chunk_ids(tokens))

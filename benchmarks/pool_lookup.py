@@ -40,13 +40,14 @@ from kvtier.layout import DTYPE_CODES
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Chunk
 from kvtier.tiers.files import ChunkFiles
+from kvtier.tiers.poolroot import scratch_pool
 
 HEADS, BLOCK, HEAD_SIZE, LAYERS, CHUNK = 8, 16, 8, 2, 256
 
 
 def vllm_config(tp: int, pool: Path) -> Any:
     """The fields of vLLM's config the connector reads (a stand-in: no engine)."""
-    extra = {"pool_url": f"fs://{pool}", "host_bytes": 0, "chunk_tokens": CHUNK, "load_policy": "always"}
+    extra = {"pool_url": scratch_pool(pool), "host_bytes": 0, "chunk_tokens": CHUNK, "load_policy": "always"}
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,

@@ -114,7 +114,7 @@ def fleet(root: Path, live: int = 8, dead: int = 4) -> list[PoolTier]:
     """Instances with ledgers beside the measured one: ``live`` kept open, ``dead`` closed."""
     tiers = []
     for i in range(live + dead):
-        tier = PoolTier(root, None)
+        tier = PoolTier(root, None, create=True)
         tier.ledger.write()
         if i >= live:
             tier.close()
@@ -128,7 +128,7 @@ def first_sync(root: Path, total: int) -> dict[str, float]:
     (root / ".usage").unlink(missing_ok=True)
     shutil.rmtree(root / ".usage.d", ignore_errors=True)
     t0 = time.perf_counter()
-    tier = PoolTier(root, 2 * total)
+    tier = PoolTier(root, 2 * total, create=True)
     start_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     tier.sync()
@@ -145,7 +145,7 @@ def first_sync(root: Path, total: int) -> dict[str, float]:
 def one_round(root: Path, budget: int) -> dict[str, float]:
     """(a), (b): a new instance finds the pool over budget; its first look folds and evicts."""
     t0 = time.perf_counter()
-    tier = PoolTier(root, budget)
+    tier = PoolTier(root, budget, create=True)
     tier.evictor.settle(3600)
     wall = time.perf_counter() - t0
     r = tier.evictor.last_round
@@ -173,7 +173,7 @@ def baseline(src: str, root: Path, budget: int) -> dict[str, float]:
 def refill(root: Path, n: int, size: int, rng: random.Random) -> None:
     """Back over the budget after a round: ``n`` new chunks, counted as a writer would."""
     build(root, n, size, rng, retained=0.0)
-    writer = PoolTier(root, None)
+    writer = PoolTier(root, None, create=True)
     writer.ledger.add(n * size)
     writer.close()
 
@@ -256,7 +256,7 @@ def make_chunk(ns: Namespace, spec: ChunkSpec, layout: KVLayout, w: int, n: int)
 def writer(w: int, pool: str, args: argparse.Namespace, published: Any, deadline: float, queue: Any) -> None:
     ns, spec, layout = spec_for(args.chunk_kib)
     rng = random.Random(w)
-    tier = PoolTier(pool, args.budget_mib << 20)
+    tier = PoolTier(pool, args.budget_mib << 20, create=True)
     c: dict[str, Any] = {"written": 0, "exists": 0, "refused": 0, "failed": 0, "reads": 0, "hits": 0,
                          "misses": 0, "corrupt_reads": 0, "read_errors": 0, "max_store_s": 0.0}
     interval = (spec.file_bytes / (args.write_mbps * 1e6)) if args.write_mbps else 0.0

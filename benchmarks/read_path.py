@@ -35,6 +35,7 @@ from kvtier.config import parse_bytes
 from kvtier.probe import DEFAULT_LAYOUT, run_probe
 from kvtier.tiers.faulty import FaultyTier
 from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.poolroot import scratch_pool
 
 FIELDS = ("serial_gbps", "parallel_gbps", "direct_serial_gbps", "direct_parallel_gbps", "best_raw_gbps",
           "kvtier_cold_serial_gbps", "kvtier_read_gbps", "kvtier_vs_best_raw", "cache_serial_gbps",
@@ -74,12 +75,12 @@ def latency_bound(path: str, latency_s: float, threads: int, chunks: int = 64) -
     root = Path(tempfile.mkdtemp(prefix="kvtier-latency-", dir=path))
     try:
         tokens = np.random.default_rng(1).integers(0, 32000, chunks * 256).astype(np.uint32)
-        with TieredStore.open("bench-latency", layout, host_bytes=0, pool_url=f"fs://{root}") as w:
+        with TieredStore.open("bench-latency", layout, host_bytes=0, pool_url=scratch_pool(root)) as w:
             w.put(tokens, torch.zeros(layout.shape(len(tokens)), dtype=layout.dtype))
         out: dict[str, float] = {}
         for name, n in (("serial", 1), ("parallel", threads)):
             config = StoreConfig(model_id="bench-latency", layout=layout, host_bytes=0, io_threads=n)
-            slow = FaultyTier(PoolTier(root, None), delay_prob=1.0, min_delay_s=latency_s,
+            slow = FaultyTier(PoolTier(root, None, create=True), delay_prob=1.0, min_delay_s=latency_s,
                               max_delay_s=latency_s, ops=("load",))
             with TieredStore(config, tiers=[slow]) as store:
                 t0 = time.perf_counter()

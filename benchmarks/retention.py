@@ -50,6 +50,7 @@ from typing import Any
 from kvtier.bench.retention_figures import KVTIER_LOADED, PREFIX_HITS, summarize
 from kvtier.bench.summary import median
 from kvtier.bench.tokens import TokenServer, metric_delta
+from kvtier.tiers.poolroot import scratch_pool
 
 CHUNK = 256
 CPU_BLOCK = 128  # vLLM's CPU backend block size (tokens)
@@ -94,7 +95,7 @@ class Server(TokenServer):
 
     def __init__(self, root: Path, model: Path, name: str, pool: Path, args: argparse.Namespace,
                  pool_bytes: int, max_len: int) -> None:
-        settings = {"pool_url": f"fs://{pool}", "pool_bytes": pool_bytes, "host_bytes": args.host_bytes,
+        settings = {"pool_url": scratch_pool(pool), "pool_bytes": pool_bytes, "host_bytes": args.host_bytes,
                     "chunk_tokens": CHUNK, "io_threads": args.io_threads}
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
         super().__init__(name, NAME, model, max_len, settings, root, env,

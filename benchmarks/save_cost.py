@@ -45,6 +45,7 @@ from kvtier.bench.engines import Process, free_port, group_pids
 from kvtier.bench.model import ensure_model
 from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
+from kvtier.tiers.poolroot import scratch_pool
 
 VARIANTS = ("plain", "noop", "connector", "host", "pool", "pool-no-tails")
 
@@ -61,7 +62,7 @@ def settings(variant: str, work: Path) -> dict[str, Any] | None:
     if variant == "host":
         return {**base, "host_bytes": "1GiB"}
     if variant in ("pool", "pool-no-tails"):
-        pool = {**base, "host_bytes": "1GiB", "pool_url": f"fs://{work / 'pool'}", "pool_bytes": "16GiB"}
+        pool = {**base, "host_bytes": "1GiB", "pool_url": scratch_pool(work / "pool"), "pool_bytes": "16GiB"}
         return pool if variant == "pool" else {**pool, "tail_chunks": False}
     raise ValueError(f"variant {variant!r}; use {', '.join(VARIANTS)}")
 

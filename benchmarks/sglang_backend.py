@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from kvtier.integrations.sglang import KVTierHiCacheStorage
 from kvtier.integrations.sglang import backend as backend_module
 from kvtier.integrations.sglang.backend import copy_page
+from kvtier.tiers.poolroot import scratch_pool
 
 
 def config(extra: dict) -> HiCacheStorageConfig:
@@ -109,7 +110,7 @@ IO_THREADS = 8
 
 def backend_for(kind: str, root: Path):
     if kind.startswith("kvtier"):
-        return KVTierHiCacheStorage(config({"pool_url": f"fs://{root}", "io_threads": IO_THREADS}))
+        return KVTierHiCacheStorage(config({"pool_url": scratch_pool(root), "io_threads": IO_THREADS}))
     return HiCacheFile(config({"file_storage_path": str(root)}))
 
 

@@ -65,6 +65,7 @@ from kvtier.bench.soak_report import (
 )
 from kvtier.bench.workload import RecurringContexts, TextMaker
 from kvtier.cli.args import add_session_args, byte_size, positive_ints
+from kvtier.tiers.poolroot import scratch_pool
 
 MiB = 1 << 20
 DEFAULT_MODEL = Path.home() / ".cache" / "kvtier" / "tiny-llama"
@@ -120,7 +121,7 @@ def engine(args: argparse.Namespace, out: Path, pool_dir: Path, ramp: bool = Fal
     vllm_args = [*engine_argv(SuiteSpec(out), args.model, port, max_len),
                  "--kv-cache-memory-bytes", str(args.vllm_kv_bytes), "--disable-uvicorn-access-log"]
     prefix = "work/ramp-" if ramp else ""
-    tiers = {"host_bytes": args.host_bytes, "chunk_tokens": 256, "pool_url": f"fs://{pool_dir}",
+    tiers = {"host_bytes": args.host_bytes, "chunk_tokens": 256, "pool_url": scratch_pool(pool_dir),
              "pool_bytes": args.pool_bytes, "metrics_file": str(out / f"{prefix}kvtier-metrics")}
     argv = kvtier_serve_argv(tiers, out / f"{prefix}kvtier.yaml", vllm_args)
     log = out / "logs" / ("ramp-engine.log" if ramp else "engine.log")

@@ -53,6 +53,7 @@ from typing import Any
 
 from kvtier.bench.engines import EngineError
 from kvtier.bench.offline import run_engine
+from kvtier.tiers.poolroot import scratch_pool
 
 
 def run(spec: dict[str, Any], tmp: Path, name: str, src: Path | None = None) -> dict[str, Any]:
@@ -141,7 +142,7 @@ def _steps(args: argparse.Namespace, model: Path, tmp: Path, sessions: list[list
     """The engine processes to run, in order: the floor, plain vLLM, kvtier's, the peer's."""
     base = {"model": str(model), "max_tokens": 1, "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_gib": 2,
             "logprobs": None, "log_stats": False}  # timing runs: no log-probabilities, no vLLM metrics
-    kv_extra = {"pool_url": f"fs://{tmp / 'pool'}", "host_bytes": "1GiB", "io_threads": args.io_threads}
+    kv_extra = {"pool_url": scratch_pool(tmp / "pool"), "host_bytes": "1GiB", "io_threads": args.io_threads}
 
     def plan(n: int, again: bool = False) -> dict[str, Any]:
         """Prompts and plan: the warm-up prompt (index n) first if asked, each session once
@@ -161,7 +162,7 @@ def _steps(args: argparse.Namespace, model: Path, tmp: Path, sessions: list[list
         ("floor", {**base, "connector": None, "prompts": [*sessions, warm], **plan(args.sessions, again=True)}),
         ("plain", {**base, "connector": None, **on_fresh}),
         ("kvtier-never", {**base, "connector": "kvtier", **on_fresh,
-                          "extra": {**kv_extra, "pool_url": f"fs://{tmp / 'unused'}", "load_policy": "never"}}),
+                          "extra": {**kv_extra, "pool_url": scratch_pool(tmp / "unused"), "load_policy": "never"}}),
         ("kvtier-populate", {**base, "connector": "kvtier", **on_sessions, "extra": kv_extra}),
         ("kvtier-resume", {**base, "connector": "kvtier", **on_sessions,
                            "extra": profiled("kvtier-resume", kv_extra)}),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from _pool import new_pool
 from conftest import Tiny
 from kvtier import TieredStore
 
@@ -50,7 +51,7 @@ def pool_rw(pool: str, role: int, peers: int, rendezvous: str) -> dict[str, obje
     (meet / f"ready.{role}").touch()
     _wait_for(meet, [f"ready.{r}" for r in range(peers)], time.monotonic() + 60)
     checked = 0
-    with TieredStore(tiny.config(host_bytes=0, pool_url=f"fs://{pool}", write_threads=2,
+    with TieredStore(tiny.config(host_bytes=0, pool_url=new_pool(pool), write_threads=2,
                                  io_threads=4)) as store:
         for seed in [shared, *own]:
             store.put(tiny.tokens(n, seed), tiny.kv(n, seed))

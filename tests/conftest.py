@@ -176,7 +176,7 @@ def open_pool(pool_dir: Path) -> Iterator[Callable[..., PoolTier]]:
     tiers: list[PoolTier] = []
 
     def factory(capacity_bytes: int | None = None, **kw: Any) -> PoolTier:
-        tier = PoolTier(pool_dir, capacity_bytes, **kw)
+        tier = PoolTier(pool_dir, capacity_bytes, **kw, create=True)
         tiers.append(tier)
         return tier
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from _pool import new_pool
 from kvtier.bench.demo import round_trip
 from kvtier.cli.main import main
 
@@ -26,7 +27,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[
 
 
 def fill_pool(make_store: Any, tiny: Any, pool: Path, sessions: int = 3, chunks: int = 4) -> None:
-    store = make_store(host_bytes=0, pool_url=f"fs://{pool}")
+    store = make_store(host_bytes=0, pool_url=new_pool(pool))
     for s in range(sessions):
         store.put(tiny.tokens(chunks * tiny.chunk_tokens, seed=s), tiny.kv(chunks * tiny.chunk_tokens, seed=s))
     store.close()
@@ -133,7 +134,7 @@ def test_help_lists_every_command() -> None:
 def test_serve_builds_vllms_server_command_from_a_kvtier_config(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "kvtier.yaml"
-    cfg.write_text("pool_url: fs:///mnt/pool\nhost_bytes: 2GiB\n")
+    cfg.write_text(f"pool_url: {new_pool(tmp_path / 'pool')}\nhost_bytes: 2GiB\n")
     assert main(["serve", "--config", str(cfg), "--print-command", "--", "--model", "/m", "--port", "8001"]) == 0
     cmd = json.loads(capsys.readouterr().out)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -175,3 +176,23 @@ def test_bench_is_rewritten_only_as_the_command_not_inside_other_arguments():
     # The suite starts `kvtier serve -- ... --served-model-name bench`: an engine's argument.
     serve = ["serve", "--config", "c.yaml", "--", "--served-model-name", "bench", "--port", "8000"]
     assert normalize(serve) == serve
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("pool_url: fs:///{rel}/not-mounted\n", "kvtier pool init"),
+    ("pool_url: fs://{rel}/pool\n", "absolute path"),  # one slash short
+    ("pool_url: nfs://server/export\n", "not supported"),
+    ("host_bytes: -1GiB\n", "host_bytes"),
+    ("host_bytes: '0.5'\n", "no unit"),  # was 0 bytes: the host cache silently off
+    ("pool_bytes: 1GiB\nhost_byte: 2GiB\n", "unknown setting(s) host_byte"),
+    ("load_policy: sometimes\n", "load_policy"),
+    ("pool_url: [unclosed\n", "not valid YAML at line"),
+])
+def test_serve_refuses_a_config_the_connector_would_not_run_before_vllm_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, says: str) -> None:
+    """6f37bba started vLLM with each of these (a YAML error was a traceback, even with --json)."""
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(text.replace("{rel}", str(tmp_path).lstrip("/")))
+    assert main(["serve", "--config", str(cfg), "--print-command", "--", "--model", "/m"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+from _pool import new_pool
 from kvtier import KVLayout, StoreConfig, TieredStore
 from kvtier.config import GiB, load_settings, parse_bytes
 
@@ -170,7 +173,7 @@ def test_from_config_reads_yaml_and_real_environment(tmp_path, monkeypatch):
     path.write_text("model_id: tiny-llama\nnum_layers: 2\nnum_kv_heads: 2\nhead_dim: 8\n"
                     f"chunk_tokens: 16\nhost_bytes: 1MiB\ndisk_path: {tmp_path}/disk\n")
     monkeypatch.setenv("KVTIER_CHUNK_SIZE", "32")
-    monkeypatch.setenv("KVTIER_REMOTE_URL", f"fs://{tmp_path}/pool")
+    monkeypatch.setenv("KVTIER_REMOTE_URL", new_pool(tmp_path / "pool"))
     monkeypatch.setenv("KVTIER_IO_THREADS", "2")
     with TieredStore.from_config(path, write_queue_chunks=7) as store:
         assert store.chunk_tokens == 32
@@ -200,3 +203,38 @@ def test_yaml_values_expand_environment_variables(tmp_path):
     with pytest.raises(ValueError, match="REDIS_PASSWORD is not set") as err:
         read_settings_file(path, {})
     assert "hunter2" not in str(err.value)
+
+
+def test_a_misspelled_kvtier_variable_is_warned_about_once_with_the_setting_it_resembles(caplog):
+    """6f37bba ignored KVTIER_HOST_BYTE without a word."""
+    base = {"model_id": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
+    env = {"KVTIER_HOST_BYTE": "1GiB", "KVTIER_REQUIRE_VLLM": "1", "KVTIER_LOAD_POLICY": "always"}
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        load_settings(base, environ=env)
+        load_settings(base, environ=env)
+    warned = [r.getMessage() for r in caplog.records if "not a kvtier setting" in r.getMessage()]
+    assert len(warned) == 1 and "KVTIER_HOST_BYTE " in warned[0] and "KVTIER_HOST_BYTES?" in warned[0]
+
+
+@pytest.mark.parametrize("value", ["0.5", "1.5", ".25"])
+def test_a_fractional_size_without_a_unit_is_refused_not_rounded_to_zero(value):
+    with pytest.raises(ValueError, match="no unit"):
+        parse_bytes(value, "host_bytes")
+    assert parse_bytes(f"{value}GiB", "host_bytes") == int(float(value) * GiB)
+
+
+def test_connector_settings_are_read_from_the_environment_between_the_file_and_the_extra_config(
+        tmp_path, monkeypatch):
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("load_policy: never\nretain_s: 10\nread_gbps: 1.5\n")
+    monkeypatch.setenv("KVTIER_LOAD_POLICY", "always")
+    monkeypatch.setenv("KVTIER_SAVE_DECODE", "off")
+    monkeypatch.setenv("KVTIER_READ_GBPS", "2.5")
+    connector, _ = ConnectorConfig.split({"config": str(cfg), "read_gbps": 4.0})
+    assert (connector.load_policy, connector.save_decode, connector.retain_s, connector.read_gbps) == (
+        "always", False, 10, 4.0)
+    monkeypatch.setenv("KVTIER_EVENTS_MAX_CHUNKS", "many")
+    with pytest.raises(ValueError, match="KVTIER_EVENTS_MAX_CHUNKS: expected int"):
+        ConnectorConfig.split({})

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from _pool import new_pool
 from kvtier import KVLayout, TieredStore
 from kvtier.doctor import diagnose
 
@@ -23,7 +24,7 @@ VLLM_FORMAT = "vllm-cpu-auto-AVX512-LBHNC-bs128-auto-bfloat16-FullAttentionSpec-
 
 def fill(pool: Path, layout: KVLayout = LAYOUT, chunk: int = 32, chunks: int = 3, **options: Any) -> None:
     with TieredStore.open(options.pop("model_id", "llama"), layout, chunk, host_bytes=0,
-                          pool_url=f"fs://{pool}", **options) as store:
+                          pool_url=new_pool(pool), **options) as store:
         tokens = list(range(100, 100 + chunks * chunk))
         store.put(tokens, torch.zeros(layout.shape(len(tokens)), dtype=layout.dtype))
 

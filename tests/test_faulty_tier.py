@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from _pool import new_pool
 from kvtier import TieredStore
 from kvtier.tiers.base import Chunk, Status, Tier
 from kvtier.tiers.faulty import FaultyTier
@@ -24,7 +25,7 @@ SLOT = 8192
 
 @pytest.fixture
 def pool(tmp_path) -> PoolTier:
-    tier = PoolTier(tmp_path / "pool", None)
+    tier = PoolTier(tmp_path / "pool", None, create=True)
     yield tier
     tier.close()
 
@@ -134,7 +135,7 @@ class Truth:
 
 
 def test_random_operations_never_return_wrong_data(tiny, tmp_path, bits_equal):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, seed=1234, delay_prob=0.3, max_delay_s=0.004, error_prob=0.15, miss_prob=0.1)
     host = HostCache(5 * SLOT, tiny.layout, C)  # small: most reads go through the faulty pool
     store = TieredStore(tiny.config(io_threads=2, write_queue_chunks=64, read_timeout_s=5.0),
@@ -202,7 +203,7 @@ def test_random_operations_never_return_wrong_data(tiny, tmp_path, bits_equal):
 
 
 def test_read_errors_are_misses_that_keep_the_file(tiny, tmp_path):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, error_prob=1.0, ops=["load"])
     store = TieredStore(tiny.config(host_bytes=0), tiers=[faulty])
     try:
@@ -223,7 +224,7 @@ def test_read_errors_are_misses_that_keep_the_file(tiny, tmp_path):
 
 
 def test_a_read_slower_than_read_timeout_ends_the_prefix_in_bounded_time(tiny, tmp_path, bits_equal):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
     host = HostCache(16 * SLOT, tiny.layout, C)
     # tier_cooldown_s=0: every read probes the pool again (test_slow_tier.py covers the cooldown).
@@ -259,7 +260,7 @@ def test_a_read_slower_than_read_timeout_ends_the_prefix_in_bounded_time(tiny, t
 
 def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
     """An engine reuses the KV blocks of a failed load at once: a late read must not write there."""
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
     store = TieredStore(tiny.config(io_threads=4, read_timeout_s=0.2), tiers=[faulty])
     try:
@@ -290,7 +291,7 @@ def test_a_read_that_outlives_its_load_never_reaches_the_sink(tiny, tmp_path):
 def test_faults_enter_through_the_tier_factory_and_name_only_opened_tiers(tmp_path, tiny) -> None:
     from kvtier.tiers.opening import open_tiers
 
-    config = tiny.config(disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path / 'p'}")
+    config = tiny.config(disk_path=str(tmp_path / "d"), pool_url=new_pool(tmp_path / 'p'))
     tiers = open_tiers(config, faults={"pool": {"seed": 1, "error_prob": 1.0}})
     try:
         assert [type(t) for t in tiers][1] is FaultyTier and not isinstance(tiers[0], FaultyTier)

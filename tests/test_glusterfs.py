@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _pool import new_pool
 from conftest import Tiny
 from kvtier import KVLayout, TieredStore, admin
 from kvtier.fileio import TMP_SUFFIX
@@ -211,7 +212,7 @@ sys.stdin.readline()  # hold it until told
 
 def test_flock_on_the_pool_lock_is_exclusive_across_the_two_clients(gluster_pool):
     a_dir, b_dir = gluster_pool
-    pool_a, pool_b = PoolTier(a_dir, 1 << 30), PoolTier(b_dir, 1 << 30)
+    pool_a, pool_b = PoolTier(a_dir, 1 << 30, create=True), PoolTier(b_dir, 1 << 30, create=True)
     assert pool_a.lock_works and pool_b.lock_works
     fd = os.open(a_dir / ".lock", os.O_RDWR)
     child = None
@@ -268,7 +269,7 @@ def test_a_chunk_unlinked_on_a_after_b_opened_it_is_read_whole_on_b(gluster_pool
         return fd
 
     monkeypatch.setattr(reader, "_open_read", open_then_unlink_on_a)
-    metrics = PoolTier(b_dir, None).metrics
+    metrics = PoolTier(b_dir, None, create=True).metrics
     for chunk in chunks:
         got = reader.load(chunk.id, tiny.spec(), None, metrics, 60.0)
         assert got.status is Status.HIT, got
@@ -285,7 +286,7 @@ def test_a_chunk_unlinked_on_a_while_b_loads_it_is_read_whole_or_a_counted_miss(
     tiny = BIG
     a_dir, b_dir = gluster_pool
     writer, reader = ChunkFiles(a_dir), ChunkFiles(b_dir)
-    metrics = PoolTier(b_dir, None).metrics
+    metrics = PoolTier(b_dir, None, create=True).metrics
     rng = random.Random(5)
     chunks = tiny.chunks(30, seed=5)
     outcomes: dict[str, int] = {}
@@ -313,7 +314,7 @@ def test_estale_between_lookup_on_b_and_read_is_a_counted_miss(gluster_pool, tin
     caches' second: GlusterFS answers the open with ESTALE, not ENOENT. That is the same race as
     a file gone before open (a miss, ``read_races``), not an I/O error."""
     a_dir, b_dir = gluster_pool
-    writer, reader = PoolTier(a_dir, None), PoolTier(b_dir, None)
+    writer, reader = PoolTier(a_dir, None, create=True), PoolTier(b_dir, None, create=True)
     chunks = tiny.chunks(5, seed=6)
     for chunk in chunks:
         writer.store(chunk, tiny.spec())
@@ -335,7 +336,7 @@ def test_mtimes_set_on_one_client_order_the_evictions_of_the_other(gluster_pool,
     touch of a hit), they must order the evictions another client makes, after the attribute
     caches' second or so."""
     a_dir, b_dir = gluster_pool
-    pool_a, pool_b = PoolTier(a_dir, None), PoolTier(b_dir, None)
+    pool_a, pool_b = PoolTier(a_dir, None, create=True), PoolTier(b_dir, None, create=True)
     old, mid, other, kept = tiny.chunks(4, seed=7)
     for chunk in (old, mid, other, kept):
         pool_a.store(chunk, tiny.spec())
@@ -370,7 +371,7 @@ def test_mtimes_set_on_one_client_order_the_evictions_of_the_other(gluster_pool,
 
 def test_pool_tier_store_lookup_load_and_eviction_log_across_the_mounts(gluster_pool, tiny, bits_equal):
     a_dir, b_dir = gluster_pool
-    pool_a, pool_b = PoolTier(a_dir, 1 << 30), PoolTier(b_dir, 1 << 30)
+    pool_a, pool_b = PoolTier(a_dir, 1 << 30, create=True), PoolTier(b_dir, 1 << 30, create=True)
     assert pool_a.read_evictions() == []  # A reads the shared eviction log from its end
     chunks = tiny.chunks(6, seed=8)
     for chunk in chunks:
@@ -399,9 +400,9 @@ def test_a_store_on_a_puts_and_closes_and_a_store_on_b_gets_the_same_bytes(glust
     tokens, kv = tiny.tokens(4 * tiny.chunk_tokens + 5, seed=9), tiny.kv(4 * tiny.chunk_tokens + 5, seed=9)
     common = {"model_id": tiny.model_id, "layout": tiny.layout, "chunk_tokens": tiny.chunk_tokens,
               "host_bytes": 0, "pool_bytes": 1 << 30}
-    with TieredStore.open(pool_url=f"fs://{a_dir / 'kv'}", **common) as store_a:
+    with TieredStore.open(pool_url=new_pool(a_dir / 'kv'), **common) as store_a:
         store_a.put(tokens, kv)
-    with TieredStore.open(pool_url=f"fs://{b_dir / 'kv'}", **common) as store_b:
+    with TieredStore.open(pool_url=new_pool(b_dir / 'kv'), **common) as store_b:
         hit = store_b.lookup(tokens)
         assert hit.num_tokens == 4 * tiny.chunk_tokens and set(hit.chunk_tiers) == {"pool"}
         got = store_b.get(tokens[:hit.num_tokens])
@@ -421,7 +422,7 @@ def test_budget_syncs_alternating_between_the_clients_agree_without_listing_the_
     counts, not take them for missing and list the whole pool (millions of files at scale):
     listing is for a pool never counted."""
     a_dir, b_dir = gluster_pool
-    pool_a, pool_b = PoolTier(a_dir, 1 << 30), PoolTier(b_dir, 1 << 30)
+    pool_a, pool_b = PoolTier(a_dir, 1 << 30, create=True), PoolTier(b_dir, 1 << 30, create=True)
     chunks = tiny.chunks(9, seed=10)
     pool_a.store(chunks[0], tiny.spec())
     pool_a.sync()
@@ -455,7 +456,7 @@ def test_verify_on_b_beside_an_evictor_on_a_does_not_call_evicted_chunks_bad(glu
     """`kvtier pool verify` runs beside live engines on other machines: a chunk evicted there
     between verify's listing and its check is skipped, not reported."""
     a_dir, b_dir = gluster_pool
-    pool_a = PoolTier(a_dir, None)
+    pool_a = PoolTier(a_dir, None, create=True)
     for chunk in tiny.chunks(5, seed=11):
         pool_a.store(chunk, tiny.spec())
     real = admin.check_file

@@ -9,6 +9,7 @@ from dataclasses import fields
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from _pool import new_pool
 from kvtier.metrics import TierCounters, TierMetrics, new_registry
 
 SLOT = 8192
@@ -23,7 +24,7 @@ def _samples(registry) -> dict[tuple[str, str], float]:
 
 def _scenario(make_store, tiny, tmp_path):
     """3 chunks put; chunk 0 then evicted from host; one lookup finds pool, host, host."""
-    store = make_store(pool_url=f"fs://{tmp_path}/p")
+    store = make_store(pool_url=new_pool(tmp_path / "p"))
     tokens = tiny.tokens(50)
     store.put(tokens, tiny.kv(50))
     store.flush()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from _pool import new_pool
 from conftest import bytes_on_disk, within
 from kvtier import TieredStore, admin
 from kvtier.tiers import evict as evict_mod
@@ -151,7 +152,7 @@ def test_eviction_does_not_run_on_the_writers_thread(tiny, pool_dir, monkeypatch
 
     monkeypatch.setattr(Evictor, "_unlink", unlink)
     monkeypatch.setattr(PoolTier, "store", store)
-    with TieredStore(tiny.config(host_bytes=0, pool_url=f"fs://{pool_dir}", pool_bytes=6 * tiny.file_bytes)) as s:
+    with TieredStore(tiny.config(host_bytes=0, pool_url=new_pool(pool_dir), pool_bytes=6 * tiny.file_bytes)) as s:
         n = tiny.chunk_tokens
         for seed in range(30):
             s.put(tiny.tokens(n, seed), tiny.kv(n, seed))
@@ -172,7 +173,7 @@ sys.path.insert(0, {tests!r})
 from conftest import Tiny
 from kvtier.tiers.pool import PoolTier
 tiny = Tiny()
-pool = PoolTier({pool!r}, None, sync_bytes={sync})
+pool = PoolTier({pool!r}, None, sync_bytes={sync}, create=True)
 for chunk in tiny.chunks({n}, seed={seed}):
     assert pool.store(chunk, tiny.spec()).status.value == "written"
 os._exit(0)  # killed: no close, no final ledger write; the kernel releases its liveness lock
@@ -470,7 +471,7 @@ def test_the_cap_refuses_and_counts_and_holds_the_stated_bound_while_eviction_is
 
 
 def test_gc_is_exact_and_re_anchors_the_count(pool_dir, tiny, monkeypatch):
-    pool = PoolTier(pool_dir, None)
+    pool = PoolTier(pool_dir, None, create=True)
     chunks = tiny.chunks(10, seed=4)
     now = time.time()
     for i, chunk in enumerate(chunks):

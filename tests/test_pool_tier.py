@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _pool import new_pool
 from conftest import bytes_on_disk, kvt_files, within
 from kvtier.format import PAYLOAD_OFFSET, ChunkError, payload_checksum, unpack_header
 from kvtier.tiers import files as files_mod
@@ -28,15 +29,20 @@ def _total(root: Path) -> int | None:
     return read_usage(root).total
 
 
-@pytest.mark.parametrize(("url", "path"), [("fs:///mnt/pool", "/mnt/pool"), ("fs://rel/pool", "rel/pool"),
-                                           ("/plain/path", "/plain/path")])
+@pytest.mark.parametrize(("url", "path"), [("fs:///mnt/pool", "/mnt/pool"), ("/plain/path", "/plain/path"),
+                                           ("fs://localhost:0/mnt/pool", "/mnt/pool"),  # LMCache's shape
+                                           ("fs://127.0.0.1/mnt/pool", "/mnt/pool")])
 def test_parse_pool_url(url, path):
     assert parse_pool_url(url) == path
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/x", "lm://localhost:65432", "fs://", ""])
-def test_parse_pool_url_rejects(url):
-    with pytest.raises(ValueError, match="pool_url"):
+@pytest.mark.parametrize(("url", "says"), [
+    ("s3://bucket/x", "not supported"), ("nfs://server/export", "not supported"),
+    ("lm://localhost:65432", "not supported"), ("fs://", "no path"), ("", "no path"),
+    ("fs://mnt/pool", "absolute path"),  # one slash short: was a pool relative to the working directory
+    ("rel/pool", "relative path"), ("fs://nas:2049/export/pool", "names the server")])
+def test_parse_pool_url_rejects_what_is_not_an_absolute_local_path(url, says):
+    with pytest.raises(ValueError, match=says):
         parse_pool_url(url)
 
 
@@ -256,7 +262,7 @@ def test_budget_holds_across_instances_with_exact_lru(open_pool, tiny, pool_dir)
 
 def test_budget_holds_across_two_stores(make_store, tiny, pool_dir):
     capacity = 10 * FILE
-    stores = [make_store(host_bytes=0, pool_url=f"fs://{pool_dir}", pool_bytes=capacity) for _ in range(2)]
+    stores = [make_store(host_bytes=0, pool_url=new_pool(pool_dir), pool_bytes=capacity) for _ in range(2)]
     n = tiny.chunk_tokens
     for seed in range(16):
         stores[seed % 2].put(tiny.tokens(n, seed), tiny.kv(n, seed))
@@ -342,7 +348,7 @@ def test_two_processes_write_and_read_one_pool_concurrently(tiny, tmp_path, pool
     assert len(kvt_files(pool_dir)) == 9 * 4  # the shared sequence stored once
     assert list(pool_dir.rglob("*.tmp")) == []
 
-    store = make_store(host_bytes=0, pool_url=f"fs://{pool_dir}")
+    store = make_store(host_bytes=0, pool_url=new_pool(pool_dir))
     n = 4 * tiny.chunk_tokens
     for seed in [999, 100, 101, 102, 103, 110, 111, 112, 113]:
         assert store.lookup(tiny.tokens(n, seed)).chunk_tiers == ("pool",) * 4

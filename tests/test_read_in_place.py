@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvtier.tiers.reads as reads_mod
+from _pool import new_pool
 from conftest import require_cachestat
 from kvtier.format import PAYLOAD_OFFSET
 from kvtier.reader import Placement
@@ -195,7 +196,7 @@ def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, 
 
 
 def test_load_into_places_warm_chunks_and_hands_the_rest_to_the_sink(make_store, tiny, tmp_path):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"))
     tokens, kv = tiny.tokens(C * 4, seed=8), tiny.kv(C * 4, seed=8)
     store.put(tokens, kv)
     store.flush()
@@ -226,7 +227,7 @@ def test_load_into_places_warm_chunks_and_hands_the_rest_to_the_sink(make_store,
 
 def test_a_read_in_place_that_outlives_its_load_writes_nothing(tiny, tmp_path):
     """An engine reuses the KV blocks of a failed load at once: a late read must not write there."""
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
     store = TieredStore(tiny.config(io_threads=4, read_timeout_s=0.2, host_bytes=0), tiers=[faulty])
     try:

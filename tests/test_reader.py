@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvtier.reader as reader
+from _pool import new_pool
 from conftest import require_cachestat
 from kvtier.libc import openmp
 from kvtier.threads import executor, thread
@@ -39,7 +40,7 @@ def _load_threads(store, tokens) -> tuple[int, set[str]]:
 
 def test_fast_reads_stay_on_one_io_thread(make_store, tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(reader, "FAST_READ_S", 5.0)  # every read "fast", however loaded the machine
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=4)
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"), io_threads=4)
     tokens = tiny.tokens(C * 12, seed=3)
     store.put(tokens, tiny.kv(C * 12, seed=3))
     store.flush()
@@ -50,7 +51,7 @@ def test_fast_reads_stay_on_one_io_thread(make_store, tiny, tmp_path, monkeypatc
 
 
 def test_a_slow_read_calls_up_the_other_io_threads(make_store, tiny, tmp_path):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=4)
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"), io_threads=4)
     tokens = tiny.tokens(C * 12, seed=4)
     store.put(tokens, tiny.kv(C * 12, seed=4))
     store.flush()
@@ -83,7 +84,7 @@ class _SlowCPU:
 def test_slow_reads_from_the_page_cache_stay_on_one_io_thread(make_store, tiny, tmp_path):
     # More threads cannot make a read the page cache serves faster; on a busy machine they only
     # add runnable threads. The same 5 ms reads, reported as device reads, spread (below).
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=4)
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"), io_threads=4)
     tokens = tiny.tokens(C * 12, seed=6)
     store.put(tokens, tiny.kv(C * 12, seed=6))
     store.flush()
@@ -99,7 +100,7 @@ def test_slow_reads_from_the_page_cache_stay_on_one_io_thread(make_store, tiny, 
 
 
 def test_the_file_tier_says_when_the_page_cache_served_a_read(make_store, tiny, tmp_path):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"))
     tokens = tiny.tokens(C * 2, seed=7)
     store.put(tokens, tiny.kv(C * 2, seed=7))
     store.flush()
@@ -114,7 +115,7 @@ def test_the_file_tier_says_when_the_page_cache_served_a_read(make_store, tiny, 
 def test_chunks_after_the_end_of_a_prefix_are_never_read(make_store, tiny, tmp_path, monkeypatch):
     """A chunk gone from every tier ends the prefix; the queue's later chunks are dropped, not read."""
     monkeypatch.setattr(reader, "FAST_READ_S", 5.0)
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}", io_threads=8)
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"), io_threads=8)
     tokens = tiny.tokens(C * 40, seed=5)
     store.put(tokens, tiny.kv(C * 40, seed=5))
     store.flush()

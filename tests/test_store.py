@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from _pool import new_pool
 from conftest import kvt_files
 from kvtier import KVLayout, PutResult, TieredStore, TierUnavailableError
 from kvtier.format import HEADER_BYTES, PAYLOAD_OFFSET, ChunkSpec, unpack_header
@@ -88,7 +89,7 @@ def test_put_lookup_get_round_trip_in_host(make_store, tiny, bits_equal):
 
 @pytest.mark.parametrize("tier", ["disk", "pool"])
 def test_round_trip_through_each_lower_tier_alone(make_store, tiny, tmp_path, bits_equal, tier):
-    where = {"disk": {"disk_path": str(tmp_path / "d")}, "pool": {"pool_url": f"fs://{tmp_path}/p"}}[tier]
+    where = {"disk": {"disk_path": str(tmp_path / "d")}, "pool": {"pool_url": new_pool(tmp_path / "p")}}[tier]
     store = make_store(host_bytes=0, **where)
     tokens, kv = tiny.tokens(64, seed=1), tiny.kv(64, seed=1)
     assert store.put(tokens, kv) == PutResult(4, 0, 0)
@@ -101,7 +102,7 @@ def test_round_trip_through_each_lower_tier_alone(make_store, tiny, tmp_path, bi
 
 def test_put_chunk_now_writes_every_tier_before_it_returns(make_store, tiny, tmp_path, bits_equal):
     """The synchronous write (SGLang's backup thread): no queue, no host DRAM, a true answer."""
-    store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p")
+    store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), pool_url=new_pool(tmp_path / "p"))
     tokens, kv = tiny.tokens(32, seed=6), tiny.kv(32, seed=6)
     first, second = store.chunk_ids(tokens)
     assert store.put_chunk_now(first, kv[:, :, :16]) is True
@@ -163,7 +164,7 @@ def test_lookup_ignores_partial_trailing_chunk(make_store, tiny):
 
 
 def test_lookup_is_the_longest_contiguous_prefix(make_store, tiny, tmp_path):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path}/p")
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "p"))
     tokens = tiny.tokens(80)
     store.put(tokens, tiny.kv(80))
     store.flush()
@@ -190,7 +191,7 @@ def test_get_rejects_partial_chunks_and_missing_chunks(make_store, tiny):
 
 
 def test_get_raises_key_error_once_a_chunk_is_gone(make_store, tiny, tmp_path):
-    store = make_store(pool_url=f"fs://{tmp_path}/p")
+    store = make_store(pool_url=new_pool(tmp_path / "p"))
     tokens = tiny.tokens(32)
     store.put(tokens, tiny.kv(32))
     store.flush()
@@ -204,7 +205,7 @@ def test_get_raises_key_error_once_a_chunk_is_gone(make_store, tiny, tmp_path):
 
 
 def test_read_race_between_lookup_and_get_is_a_counted_miss(make_store, tiny, tmp_path, bits_equal):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path}/p")
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "p"))
     tokens, kv = tiny.tokens(48), tiny.kv(48)
     store.put(tokens, kv)
     store.flush()
@@ -229,7 +230,7 @@ def test_read_race_between_lookup_and_get_is_a_counted_miss(make_store, tiny, tm
 
 
 def test_tiers_per_chunk_and_promotion_to_host(make_store, tiny, tmp_path, bits_equal):
-    store = make_store(pool_url=f"fs://{tmp_path}/p")
+    store = make_store(pool_url=new_pool(tmp_path / "p"))
     tokens, kv = tiny.tokens(64, seed=2), tiny.kv(64, seed=2)
     store.put(tokens, kv)
     store.flush()
@@ -247,7 +248,7 @@ def test_tiers_per_chunk_and_promotion_to_host(make_store, tiny, tmp_path, bits_
 
 
 def test_lower_tier_hit_falls_back_past_a_corrupt_faster_copy(make_store, tiny, tmp_path, bits_equal):
-    store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p")
+    store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), pool_url=new_pool(tmp_path / "p"))
     tokens, kv = tiny.tokens(32), tiny.kv(32)
     store.put(tokens, kv)
     store.flush()
@@ -265,7 +266,7 @@ def test_lower_tier_hit_falls_back_past_a_corrupt_faster_copy(make_store, tiny, 
 
 def test_a_load_told_where_its_chunks_are_looks_nothing_up_and_falls_back_only_on_a_miss(
         make_store, tiny, tmp_path, bits_equal):
-    store = make_store(disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p")
+    store = make_store(disk_path=str(tmp_path / "d"), pool_url=new_pool(tmp_path / "p"))
     tokens, kv = tiny.tokens(64, seed=4), tiny.kv(64, seed=4)
     store.put(tokens, kv)
     store.flush()
@@ -294,7 +295,7 @@ def test_a_load_told_where_its_chunks_are_looks_nothing_up_and_falls_back_only_o
 
 
 def test_pool_lookups_run_in_parallel_and_remember_misses_briefly(make_store, tiny, tmp_path):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path}/p", lookup_negative_ttl_s=0.3)
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "p"), lookup_negative_ttl_s=0.3)
     pool = store.tiers[0]
     tokens = tiny.tokens(40 * C, seed=5)
     store.put(tokens[:30 * C], tiny.kv(30 * C, seed=5))
@@ -317,7 +318,7 @@ def test_pool_lookups_run_in_parallel_and_remember_misses_briefly(make_store, ti
 
 
 def test_tenant_salt_separates_and_round_trips_through_the_pool(make_store, tiny, tmp_path, bits_equal):
-    store = make_store(host_bytes=0, pool_url=f"fs://{tmp_path}/p")
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "p"))
     tokens, kv = tiny.tokens(32), tiny.kv(32)
     store.put(tokens, kv, tenant_salt="tenant-a")
     store.flush()
@@ -363,7 +364,7 @@ def test_put_validates_kv(make_store, tiny):
 
 
 def test_close_flushes_pending_writes_and_is_idempotent(make_store, tiny, tmp_path, bits_equal):
-    pool = f"fs://{tmp_path}/p"
+    pool = new_pool(tmp_path / "p")
     store = make_store(host_bytes=0, pool_url=pool)
     tokens, kv = tiny.tokens(160), tiny.kv(160)
     store.put(tokens, kv)
@@ -447,7 +448,7 @@ def _flip(path: Path, offset: int) -> None:
 def _foreign_file(tmp_path: Path, tiny, tokens, index: int, **config) -> Path:
     """Write ``tokens`` with another store configuration; return its file for chunk ``index``."""
     pool = tmp_path / "foreign"
-    with TieredStore(tiny.config(host_bytes=0, pool_url=f"fs://{pool}", **config)) as other:
+    with TieredStore(tiny.config(host_bytes=0, pool_url=new_pool(pool), **config)) as other:
         other.put(tokens, torch.zeros(other.layout.shape(len(tokens)), dtype=other.layout.dtype))
         return other.tiers[0].files.path_for(other.chunk_ids(tokens)[index].key)
 
@@ -489,7 +490,7 @@ FAULTS = ["truncated", "zero_length", "bad_magic", "header_bit_flip", "payload_b
 @pytest.mark.parametrize("tier", ["disk", "pool"])
 def test_bad_chunk_file_is_a_counted_miss_removed_and_ends_the_prefix(make_store, tiny, tmp_path,
                                                                     bits_equal, tier, fault):
-    where = {"disk": {"disk_path": str(tmp_path / "d")}, "pool": {"pool_url": f"fs://{tmp_path}/p"}}[tier]
+    where = {"disk": {"disk_path": str(tmp_path / "d")}, "pool": {"pool_url": new_pool(tmp_path / "p")}}[tier]
     store = make_store(host_bytes=0, **where)
     tokens, kv = tiny.tokens(64, seed=4), tiny.kv(64, seed=4)
     store.put(tokens, kv)
@@ -533,9 +534,11 @@ def test_unwritable_disk_path_fails_at_open(make_store, unwritable):
         make_store(disk_path=str(unwritable))
 
 
-def test_unwritable_pool_fails_at_open(make_store, unwritable):
-    with pytest.raises(TierUnavailableError, match="cannot use"):
-        make_store(pool_url=f"fs://{unwritable}")
+def test_a_pool_that_is_not_there_fails_at_open_and_is_never_created(make_store, tmp_path, unwritable):
+    for missing in (unwritable, tmp_path / "not-mounted" / "pool"):
+        with pytest.raises(TierUnavailableError, match="kvtier pool init"):
+            make_store(pool_url=f"fs://{missing}")
+    assert not (tmp_path / "not-mounted").exists()
 
 
 def test_failed_open_releases_what_it_already_opened(make_store, tmp_path, unwritable):
@@ -543,25 +546,25 @@ def test_failed_open_releases_what_it_already_opened(make_store, tmp_path, unwri
     with pytest.raises(TierUnavailableError):
         make_store(disk_path=disk, pool_url=f"fs://{unwritable}")
     # The disk tier opened before the pool failed must not keep its exclusive lock.
-    store = make_store(disk_path=disk, pool_url=f"fs://{tmp_path}/p")
+    store = make_store(disk_path=disk, pool_url=new_pool(tmp_path / "p"))
     assert [t.name for t in store.levels] == ["host", "disk", "pool"]
 
 
 def test_unavailable_tiers_can_be_left_out_and_reported(tiny, tmp_path, unwritable, bits_equal):
     """What an engine integration uses: a missing mount costs that tier, not the engine."""
     reported: list[tuple[str, str]] = []
-    config = tiny.config(disk_path=str(unwritable / "disk"), pool_url=f"fs://{unwritable}/pool")
+    config = tiny.config(disk_path=str(unwritable / "disk"), pool_url=f"fs://{unwritable / 'pool'}")
     with TieredStore(config, unavailable=lambda name, exc: reported.append((name, str(exc)))) as store:
         assert [t.name for t in store.levels] == ["host"] and store.tiers == []
         assert [name for name, _ in reported] == ["disk", "pool"]
-        assert all("cannot use" in err for _, err in reported)
+        assert "cannot use" in reported[0][1] and "kvtier pool init" in reported[1][1]
         tokens, kv = tiny.tokens(3 * tiny.chunk_tokens), tiny.kv(3 * tiny.chunk_tokens)
         store.put(tokens, kv)
         bits_equal(store.get(tokens), kv)
 
 
-def test_missing_directories_are_created(make_store, tmp_path):
-    make_store(disk_path=str(tmp_path / "a" / "b"), pool_url=f"fs://{tmp_path}/c/d")
+def test_a_missing_disk_path_is_created_and_a_pool_only_by_init(make_store, tmp_path):
+    make_store(disk_path=str(tmp_path / "a" / "b"), pool_url=new_pool(tmp_path / "c/d"))
     assert (tmp_path / "a" / "b" / ".kvtier").is_file()
     assert (tmp_path / "c" / "d" / ".kvtier").is_file()
 
@@ -596,7 +599,7 @@ def test_open_with_bad_model_or_layout(tiny):
 
 def test_open_builds_the_named_tiers(tiny, tmp_path):
     with TieredStore.open(tiny.model_id, tiny.layout, C, host_bytes="1MiB", disk_path=tmp_path / "d",
-                          disk_bytes="1MiB", pool_url=f"fs://{tmp_path}/p", pool_bytes="2MiB",
+                          disk_bytes="1MiB", pool_url=new_pool(tmp_path / "p"), pool_bytes="2MiB",
                           io_threads=2) as store:
         assert [t.name for t in store.levels] == ["host", "disk", "pool"]
         assert [t.name for t in store.tiers] == ["disk", "pool"]  # below host DRAM, the Tier protocol
@@ -644,7 +647,7 @@ def test_disk_full_is_a_counted_failed_write_not_a_crash(tiny, tiny_tmpfs, bits_
 
 
 def test_put_chunk_fills_host_dram_in_place_and_writes_down(make_store, tiny, bits_equal, tmp_path):
-    store = make_store(pool_url=f"fs://{tmp_path / 'pool'}")
+    store = make_store(pool_url=new_pool(tmp_path / "pool"))
     tokens, kv = tiny.tokens(3 * 16), tiny.kv(3 * 16)
     ids = store.chunk_ids(tokens)
     filled: list[int] = []
@@ -659,16 +662,16 @@ def test_put_chunk_fills_host_dram_in_place_and_writes_down(make_store, tiny, bi
     assert [r.stored_chunks for r in results] == [1, 1, 1] and filled == [0, 1, 2]
     assert store.put_chunk(ids[0], fill(0)).present_chunks == 1 and filled == [0, 1, 2]  # not filled again
     store.flush()
-    reader = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    reader = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"))
     bits_equal(reader.get(tokens), kv)
 
 
 def test_load_into_without_promotion_leaves_host_dram_alone(make_store, tiny, bits_equal, tmp_path):
-    writer = make_store(host_bytes=0, pool_url=f"fs://{tmp_path / 'pool'}")
+    writer = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"))
     tokens, kv = tiny.tokens(4 * 16), tiny.kv(4 * 16)
     writer.put(tokens, kv)
     writer.flush()
-    reader = make_store(pool_url=f"fs://{tmp_path / 'pool'}")
+    reader = make_store(pool_url=new_pool(tmp_path / "pool"))
     got = torch.zeros_like(kv)
 
     def sink(i: int, data: torch.Tensor) -> None:
@@ -682,7 +685,7 @@ def test_load_into_without_promotion_leaves_host_dram_alone(make_store, tiny, bi
 
 
 def test_retention_reaches_the_disk_and_pool_copies_even_of_chunks_written_later(make_store, tiny, tmp_path):
-    store = make_store(disk_path=str(tmp_path / "d"), pool_url=f"fs://{tmp_path}/p", write_threads=2)
+    store = make_store(disk_path=str(tmp_path / "d"), pool_url=new_pool(tmp_path / "p"), write_threads=2)
     tokens = tiny.tokens(48)
     ids = store.chunk_ids(tokens)
     until = time.time() + 3600
@@ -698,7 +701,7 @@ def test_retention_reaches_the_disk_and_pool_copies_even_of_chunks_written_later
 
 def test_retention_of_chunks_already_written_does_not_wait_behind_a_full_write_queue(make_store, tiny, tmp_path,
                                                                                     monkeypatch):
-    store = make_store(pool_url=f"fs://{tmp_path}/p", write_queue_chunks=1)
+    store = make_store(pool_url=new_pool(tmp_path / "p"), write_queue_chunks=1)
     tokens = tiny.tokens(48)
     ids = store.chunk_ids(tokens)
     store.put(tokens[:16], tiny.kv(16))

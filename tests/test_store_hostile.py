@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from _pool import new_pool
 from kvtier import TieredStore
 from kvtier.retention import Retention
 from kvtier.tiers.disk import DiskTier
@@ -84,7 +85,7 @@ class LosingHost(HostCache):
 def test_a_host_chunk_evicted_before_delivery_is_reread_under_the_timeout(tiny, tmp_path):
     """Before: the fallback read of a host chunk that was evicted since the lookup ran inline
     with no timeout: against a hung pool the caller blocked for the whole delay."""
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
     host = LosingHost(1 << 20, tiny.layout, tiny.chunk_tokens)
     store = TieredStore(tiny.config(read_timeout_s=0.5, tier_cooldown_s=60), host=host, tiers=[faulty])
@@ -110,7 +111,7 @@ def test_a_host_chunk_evicted_before_delivery_is_reread_under_the_timeout(tiny, 
 def test_a_hung_tier_holds_only_its_own_io_threads(tiny, tmp_path, bits_equal):
     """Reads stuck in a hung pool never take the threads a healthy disk tier's reads need."""
     disk = DiskTier(tmp_path / "disk", 1 << 30)
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=30.0, max_delay_s=30.0, ops=["load"])
     store = TieredStore(tiny.config(io_threads=2, read_timeout_s=0.5, tier_cooldown_s=0), host=None,
                         tiers=[disk, faulty])
@@ -143,7 +144,7 @@ def test_every_thread_the_store_starts_runs_thread_init(tiny, tmp_path):
             seen.add(threading.current_thread().name)
 
     before = set(threading.enumerate())
-    store = TieredStore(tiny.config(disk_path=str(tmp_path / "disk"), pool_url=f"fs://{tmp_path / 'pool'}",
+    store = TieredStore(tiny.config(disk_path=str(tmp_path / "disk"), pool_url=new_pool(tmp_path / "pool"),
                                     io_threads=2), thread_init=init)
     try:
         tokens = tiny.tokens(64)
@@ -192,7 +193,7 @@ def test_every_cache_salt_costs_a_bounded_spec_cache_and_namespace_files(make_st
     from kvtier.store import MAX_DESCRIBED
 
     monkeypatch.setattr(store_module, "MAX_SPECS", 64)  # reached by the salts below (4096 is too many here)
-    store = make_store(pool_url=f"fs://{tmp_path / 'pool'}")
+    store = make_store(pool_url=new_pool(tmp_path / "pool"))
     tokens = tiny.tokens(16)
     for i in range(MAX_DESCRIBED + 40):
         store.lookup(tokens, tenant_salt=f"tenant-{i}")

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from _pool import new_pool
 from kvtier.config import StoreConfig
 from kvtier.integrations.vllm.common import KVTierWorkerMeta, SyncLoad
 from kvtier.integrations.vllm.config import (
@@ -548,7 +549,7 @@ def test_auto_loads_from_a_tier_in_the_step_only_once_its_read_rate_was_measured
 
 
 def test_auto_times_a_tiers_first_read_so_a_restarted_engines_first_hit_loads_in_the_step(tmp_path: Any) -> None:
-    role, _ = make_scheduler(extra={"pool_url": f"fs://{tmp_path}", "host_bytes": 0, "load_mode": "auto"})
+    role, _ = make_scheduler(extra={"pool_url": new_pool(tmp_path), "host_bytes": 0, "load_mode": "auto"})
     req = request("r", list(range(9000, 9000 + 3 * CHUNK + 1)))
     publish_shards(tmp_path, role, req, 3, [0])
     assert "pool" not in role.rates.measured
@@ -562,7 +563,7 @@ def test_auto_times_a_tiers_first_read_so_a_restarted_engines_first_hit_loads_in
 def test_a_tier_whose_first_read_is_slow_loads_in_the_background_and_is_measured_when_the_read_ends(
         tmp_path: Any) -> None:
     slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 0.3, "max_delay_s": 0.3, "ops": ["load"]}}
-    role, _ = make_scheduler(extra={"pool_url": f"fs://{tmp_path}", "host_bytes": 0, "load_mode": "auto",
+    role, _ = make_scheduler(extra={"pool_url": new_pool(tmp_path), "host_bytes": 0, "load_mode": "auto",
                                     "inject_faults": slow})
     req = request("s", list(range(9500, 9500 + 3 * CHUNK + 1)))
     publish_shards(tmp_path, role, req, 3, [0])
@@ -596,7 +597,7 @@ def test_a_failed_async_load_makes_its_chunks_saved_again_once_recomputed() -> N
 
 def test_a_slow_lookup_answers_not_yet_then_gives_up_after_lookup_timeout_s(tmp_path: Any) -> None:
     slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 1.0, "max_delay_s": 1.0, "ops": ["lookup"]}}
-    role, counters = make_scheduler(extra={"pool_url": f"fs://{tmp_path}", "lookup_timeout_s": 0.2,
+    role, counters = make_scheduler(extra={"pool_url": new_pool(tmp_path), "lookup_timeout_s": 0.2,
                                            "inject_faults": slow})
     req = request("s", list(range(6000, 6000 + 2 * CHUNK + 1)))
     t0 = time.monotonic()
@@ -901,7 +902,7 @@ def publish_shards(pool: Any, role: SchedulerRole, req: Any, chunks: int, shards
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_pool_is_asked_once_per_chunk_whatever_the_tp_size_and_loads_name_its_tier(tmp_path: Any, tp: int) -> None:
-    role, _ = make_scheduler(tp=tp, extra={"pool_url": f"fs://{tmp_path}", "host_bytes": 0})
+    role, _ = make_scheduler(tp=tp, extra={"pool_url": new_pool(tmp_path), "host_bytes": 0})
     req = request("p", list(range(7000, 7000 + 6 * CHUNK + 1)))
     publish_shards(tmp_path, role, req, 4, range(role.dep.sharding.num_shards))
     assert role.pool is not None

@@ -41,6 +41,10 @@ from kvtier.tiers.files import MARKER, ChunkFiles
 from kvtier.tiers.ledger import anchor, fold_dead, read_usage, remove_orphans
 from kvtier.tiers.listing import SCAN_THREADS, listed
 from kvtier.tiers.poollock import PoolLocks
+from kvtier.tiers.poolroot import init_pool, read_budget, set_budget
+
+__all__ = ["GcReport", "PoolStats", "VerifyReport", "check_file", "gc", "init_pool", "open_existing", "read_budget",
+           "set_budget", "stats", "verify"]
 
 
 def open_existing(path: str | os.PathLike[str]) -> ChunkFiles:
@@ -164,12 +168,14 @@ class PoolStats:
     newest_age_s: float | None = None
     namespaces: dict[str, dict[str, object]] = field(default_factory=dict)
     unreadable_headers: int = 0
+    budget_bytes: int | None = None
+    """The budget recorded in the pool (``kvtier pool budget``), None when it records none."""
 
 
 def stats(path: str | os.PathLike[str]) -> PoolStats:
     """Count chunks and bytes, per namespace (read from each chunk's header)."""
     files = open_existing(path)
-    out = PoolStats(str(files.root))
+    out = PoolStats(str(files.root), budget_bytes=read_budget(files.root))
     now = time.time()
     described = files.namespaces()
     for f in files.scan():

@@ -12,7 +12,9 @@ LMCache-style names are accepted as aliases (``chunk_size``, ``max_local_cpu_siz
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Container, Mapping
@@ -41,6 +43,10 @@ def parse_bytes(value: object, setting: str) -> int:
     elif isinstance(value, float) and value.is_integer():
         n = int(value)
     elif isinstance(value, str) and (m := _SIZE.match(value)):
+        if not m.group(2) and not float(m.group(1)).is_integer():
+            # "0.5" is not half a byte: it was meant in GB (LMCache's sizes) and would turn the tier off.
+            raise ValueError(f"{setting}: {value!r} has no unit, so it is bytes, and not a whole number; "
+                             f"write it with a unit, e.g. '{m.group(1)}GiB'")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     else:
         raise ValueError(f"{setting}: expected a size such as 2147483648 or '2GiB', got {value!r}")
@@ -271,7 +277,13 @@ def expand_env(value: Any, environ: Mapping[str, str], where: str = "") -> Any:
 def read_settings_file(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The settings of a kvtier YAML file (a top-level mapping, or one under ``kvtier:``), with
     ``${VAR}`` references expanded from ``environ`` (default: the process environment)."""
-    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a mapping of settings at the top level")
     if isinstance(loaded.get("kvtier"), dict):  # allow nesting under a `kvtier:` section
@@ -299,12 +311,40 @@ def load_settings(source: str | os.PathLike[str] | Mapping[str, Any] | None,
             name = _ALIASES.get(name, name)
             if name in known or name in _GB_ALIASES:
                 env_layer[name] = _coerce_env(name, value)
+            else:
+                _warn_unknown_env(var, known)
     # Each layer is put in canonical names before merging, so a later layer wins even when
     # it spells a setting differently (``chunk_size`` vs ``chunk_tokens``).
     settings = _canonical(raw)
     settings.update(_canonical(env_layer))
     settings.update(_canonical(overrides))
     return _build(settings)
+
+
+ENV_NOT_SETTINGS = ("CACHE_DIR", "VENV", "TEST_", "REQUIRE_", "GLUSTER_", "SGLANG_", "VLLM_RELEASES", "EXPECT_",
+                    "LOADED", "SALT")
+"""``KVTIER_*`` names (prefixes) that are not settings: kvtier's model cache, its scripts' and tests'."""
+CONNECTOR_SETTINGS = (
+    "load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "load_coalesce_ms",
+    "save_decode", "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers",
+    "events_max_chunks", "metrics_file", "profile_file", "config", "inject_faults", "allow_untested_vllm")
+"""The vLLM connector's own settings (``integrations.vllm.config.ConnectorConfig``), here so that
+their ``KVTIER_*`` forms are known without importing vLLM."""
+_warned_env: set[str] = set()
+
+
+def _warn_unknown_env(var: str, known: set[str]) -> None:
+    """Warn once per name about a ``KVTIER_*`` variable that is no setting (a typo is otherwise
+    silently ignored)."""
+    name = var[len("KVTIER_"):]
+    if var in _warned_env or name.lower() in CONNECTOR_SETTINGS or name.startswith(ENV_NOT_SETTINGS):
+        return
+    _warned_env.add(var)
+    names = sorted(known | set(_ALIASES) | set(_GB_ALIASES) | set(CONNECTOR_SETTINGS))
+    close = difflib.get_close_matches(name.lower(), names, n=1)
+    hint = f"; did you mean KVTIER_{close[0].upper()}?" if close else ""
+    logging.getLogger(__name__).warning("kvtier: environment variable %s is not a kvtier setting and is "
+                                        "ignored%s", var, hint)
 
 
 def setting_name(name: str) -> str | None:

@@ -12,19 +12,40 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
+_LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
 
 def parse_pool_url(url: str) -> str:
-    """``fs:///abs/path`` or ``fs://rel/path`` or a bare path -> the directory path."""
+    """The absolute directory a pool URL names: ``fs:///abs/path`` or a bare ``/abs/path``.
+
+    LMCache's shape ``fs://localhost:PORT/abs/path`` means ``/abs/path`` and is read so. Anything
+    that would name a path relative to the working directory (``fs://mnt/pool``, one slash
+    short; ``pool``) or a remote server (``fs://nas:0/pool``, ``nfs://...``) is a ValueError that
+    says what to write: a relative pool is private to one working directory, not shared.
+    """
     if url.startswith("fs://"):
-        path = url[len("fs://"):]
+        rest = url[len("fs://"):]
+        if rest and not rest.startswith("/"):
+            host, slash, tail = rest.partition("/")
+            if slash and (host.rsplit(":", 1)[0] if ":" in host else host).lower() in _LOCAL_HOSTS:
+                rest = "/" + tail  # LMCache: fs://localhost:0/mnt/pool is /mnt/pool
+            elif slash and ":" in host:
+                raise ValueError(f"pool_url {url!r} names the server {host.rsplit(':', 1)[0]!r}; kvtier reads a "
+                                 f"mounted directory: mount the share and give fs:///its/mount/point")
+            else:
+                raise ValueError(f"pool_url {url!r}: fs:// takes an absolute path after its two slashes "
+                                 f"(fs:///{rest}); {rest!r} would be relative to the working directory")
+        path = rest
     elif "://" in url:
         scheme = url.split("://", 1)[0]
-        raise ValueError(f"pool_url scheme {scheme!r} is not supported; use fs:///path/to/pool or "
-                         "redis://host:6379/0 (also rediss://, valkey://)")
+        raise ValueError(f"pool_url scheme {scheme!r} is not supported; use fs:///path/to/pool (a mounted "
+                         "directory, NFS included) or redis://host:6379/0 (also rediss://, valkey://)")
     else:
         path = url
     if not path:
         raise ValueError("pool_url has no path; use fs:///path/to/pool")
+    if not path.startswith("/"):
+        raise ValueError(f"pool_url {url!r}: a relative path; give an absolute one such as fs:///mnt/pool")
     return path
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 
+from _pool import new_pool
+
 from .harness import FaultRow
 from .harness.concurrency import share_pool
 from .harness.crash import assert_nothing_lost, kill_writers
@@ -93,8 +95,8 @@ def test_an_engine_on_the_second_mount_resumes_what_one_on_the_first_wrote(glust
     a_dir, b_dir = gluster.pair("engines-resume")
     n = len(bench.prompts)
     plan = [{"p": i} for i in range(n)]
-    writer = bench.run("gluster-a", bench.base("gluster-a", pool_url=f"fs://{a_dir / 'pool'}"), plan)
-    reader = bench.run("gluster-b", bench.base("gluster-b", pool_url=f"fs://{b_dir / 'pool'}"), plan)
+    writer = bench.run("gluster-a", bench.base("gluster-a", pool_url=new_pool(a_dir / 'pool')), plan)
+    reader = bench.run("gluster-b", bench.base("gluster-b", pool_url=new_pool(b_dir / 'pool')), plan)
     assert writer.rc == 0 and reader.rc == 0, (writer.stderr, reader.stderr)
     assert bench.compare(writer.results)[2] == 0 and bench.compare(reader.results)[2] == 0
     # What vLLM's own prefix cache would serve: every full chunk and the tail's block (256-token

@@ -24,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _pool import new_pool
 from kvtier import TieredStore, admin
 from kvtier.config import load_settings
 from kvtier.format import (
@@ -267,7 +268,7 @@ def test_no_key_forms_a_path_outside_the_pool(fuzz_dir, key):
 
 
 def test_scan_lists_only_chunk_names_in_their_own_shard(tiny, tmp_path):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     spec = tiny.spec()
     chunks = tiny.chunks(2)
     for c in chunks:
@@ -291,7 +292,7 @@ def test_scan_lists_only_chunk_names_in_their_own_shard(tiny, tmp_path):
 
 
 def test_scan_lists_a_symlink_with_its_own_size_and_verify_fix_removes_only_the_link(tiny, tmp_path):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     spec = tiny.spec()
     a, b = tiny.chunks(2)
     pool.store(a, spec)
@@ -334,7 +335,8 @@ def _umask(mask: int) -> Iterator[None]:
 
 def _fill(tiny: Any, tmp_path: Path, **overrides: Any) -> tuple[Path, Path]:
     disk, pool = tmp_path / "disk", tmp_path / "pool"
-    with TieredStore(tiny.config(disk_path=str(disk), pool_url=f"fs://{pool}", **overrides)) as store:
+    pool_url = new_pool(pool, group_access=overrides.get("group_access", False))
+    with TieredStore(tiny.config(disk_path=str(disk), pool_url=pool_url, **overrides)) as store:
         store.put(tiny.tokens(64), tiny.kv(64))
         store.flush()
     # Everything kvtier creates in a chunk directory is there to be checked.
@@ -376,10 +378,10 @@ def test_a_root_other_users_can_reach_is_warned_about_once(tmp_path, caplog):
     open_root.mkdir()
     os.chmod(open_root, 0o777)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.files"):
-        PoolTier(open_root, None)
-        PoolTier(open_root, None)
-        PoolTier(closed_root, None)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        PoolTier(open_root, None, create=True)
+        PoolTier(open_root, None, create=True)
+        PoolTier(closed_root, None, create=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.endswith(".files")]
     assert len(warnings) == 1
     assert str(open_root) in warnings[0] and "0o777" in warnings[0]
 
@@ -389,13 +391,13 @@ def test_a_root_other_users_can_reach_is_warned_about_once(tmp_path, caplog):
 
 def test_symlink_to_another_keys_chunk_is_a_counted_miss_and_only_the_link_goes(tiny, tmp_path, make_store):
     """The target is a sound chunk file of another key, outside the pool: never read or removed."""
-    elsewhere = PoolTier(tmp_path / "elsewhere", None)
+    elsewhere = PoolTier(tmp_path / "elsewhere", None, create=True)
     (other,) = tiny.chunks(1, seed=7)
     elsewhere.store(other, tiny.spec())
     target = elsewhere.files.path_for(other.id.key)
     before = target.read_bytes()
     tokens = tiny.tokens(2 * tiny.chunk_tokens)
-    store = make_store(pool_url=f"fs://{tmp_path / 'pool'}", host_bytes=0)  # no host copy to hide the file
+    store = make_store(pool_url=new_pool(tmp_path / "pool"), host_bytes=0)  # no host copy to hide the file
     store.put(tokens, tiny.kv(len(tokens)))
     store.flush()
     pool = store.tiers[0]
@@ -416,7 +418,7 @@ def test_symlink_to_another_keys_chunk_is_a_counted_miss_and_only_the_link_goes(
 
 @pytest.mark.parametrize("tier_kind", ["pool", "disk"])
 def test_fifo_under_a_chunk_name_never_blocks_and_is_removed(tiny, tmp_path, tier_kind):
-    tier: PoolTier | DiskTier = PoolTier(tmp_path / "t", None) if tier_kind == "pool" else \
+    tier: PoolTier | DiskTier = PoolTier(tmp_path / "t", None, create=True) if tier_kind == "pool" else \
         DiskTier(tmp_path / "t", 1 << 20)
     try:
         spec = tiny.spec()
@@ -436,7 +438,7 @@ def test_fifo_under_a_chunk_name_never_blocks_and_is_removed(tiny, tmp_path, tie
 
 
 def test_a_directory_under_a_chunk_name_is_a_miss_every_time_never_an_exception(tiny, tmp_path):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     spec = tiny.spec()
     (chunk,) = tiny.chunks(1)
     pool.store(chunk, spec)
@@ -451,7 +453,7 @@ def test_a_directory_under_a_chunk_name_is_a_miss_every_time_never_an_exception(
 
 
 def test_stats_and_verify_never_follow_or_block(tiny, tmp_path):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     spec = tiny.spec()
     a, b, c = tiny.chunks(3)
     for chunk in (a, b, c):

@@ -44,7 +44,7 @@ def test_gc_removes_temp_files_left_beside_the_usage_file_and_namespaces(tmp_pat
     namespace description left ``*.tmp`` files that gc never looked for (it scanned only the
     shard directories), so they piled up forever."""
     pool = tmp_path / "pool"
-    PoolTier(pool, None).close()
+    PoolTier(pool, None, create=True).close()
     (pool / "namespaces").mkdir(exist_ok=True)
     stale = [pool / f".usage.4242.deadbeef{TMP_SUFFIX}", pool / "namespaces" / f"ab.json.4242.cafe{TMP_SUFFIX}",
              pool / "00" / "11" / f"{'0011' + '0' * 60}.kvt.4242.0123456789ab{TMP_SUFFIX}"]
@@ -68,7 +68,7 @@ def test_verify_beside_an_evictor_skips_chunks_that_vanish_instead_of_calling_th
         tmp_path, monkeypatch, tiny):
     """Regression: a chunk evicted between verify's listing and its check was reported
     "truncated", so `kvtier pool verify` beside live engines exited 1 for nothing."""
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     for chunk in tiny.chunks(6):
         pool.store(chunk, tiny.spec())
     pool.close()

@@ -23,7 +23,7 @@ TIMEOUT = 0.3
 
 
 def _store(tiny, tmp_path, ops, cooldown_s):
-    pool = PoolTier(tmp_path / "pool", None)
+    pool = PoolTier(tmp_path / "pool", None, create=True)
     faulty = FaultyTier(pool, delay_prob=1.0, min_delay_s=60.0, max_delay_s=60.0, ops=ops)
     host = HostCache(16 * SLOT, tiny.layout, C)
     store = TieredStore(tiny.config(io_threads=2, read_timeout_s=TIMEOUT, tier_cooldown_s=cooldown_s),

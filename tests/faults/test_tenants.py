@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 
+from _pool import new_pool
 from kvtier import TieredStore
 
 
 @pytest.fixture
 def pool_url(tmp_path) -> str:
-    return f"fs://{tmp_path / 'pool'}"
+    return new_pool(tmp_path / "pool")
 
 
 def test_identical_prompts_of_two_tenants_never_share_chunks(tiny, pool_url, bits_equal):

@@ -35,6 +35,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 
+from kvtier.admin import init_pool
+
 PAGE, LAYERS, HEADS, HEAD_DIM = 16, 4, 2, 64
 KVTIER = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
           "class_name": "KVTierHiCacheStorage"}
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     set_parallel()
     allocator, host = host_pool(args.layout)
     if args.backend == "kvtier":
-        extra = {"pool_url": f"fs://{args.dir}", "interface_v1": args.v1, **json.loads(args.extra)}
+        extra = {"pool_url": f"fs://{init_pool(args.dir, None)}", "interface_v1": args.v1, **json.loads(args.extra)}
     else:
         extra = {"file_storage_path": args.dir}
     ctrl = controller(allocator, host, args.backend, extra)

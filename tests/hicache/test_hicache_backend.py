@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 sys.path.insert(0, str(Path(__file__).parent))
 import _hicache as hc
 
+from _pool import new_pool
 from kvtier.integrations.sglang import KVTierHiCacheStorage
 from kvtier.integrations.sglang.backend import copy_page
 from kvtier.integrations.sglang.pages import page_chunk_id
@@ -46,7 +47,7 @@ def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1, mla: bool = 
 
 
 def backend(pool: Path, host, **kw) -> KVTierHiCacheStorage:
-    b = StorageBackendFactory.create_backend("dynamic", storage_config({"pool_url": f"fs://{pool}"}, **kw), host)
+    b = StorageBackendFactory.create_backend("dynamic", storage_config({"pool_url": new_pool(pool)}, **kw), host)
     b.register_mem_pool_host(host)
     return b
 
@@ -94,7 +95,7 @@ def test_the_controller_writes_and_reads_back_bit_exactly_like_hicachefile(tmp_p
     """SGLang's backup thread writes 12 pages through kvtier and through HiCacheFile; its prefetch
     threads read them back into fresh host pages: the same bytes as written, both ways."""
     digests = {}
-    for name, extra in (("kvtier", {"pool_url": f"fs://{tmp_path / 'pool'}", "interface_v1": v1}),
+    for name, extra in (("kvtier", {"pool_url": new_pool(tmp_path / "pool"), "interface_v1": v1}),
                         ("file", {"file_storage_path": str(tmp_path / "file")})):
         allocator, host = hc.host_pool(layout)
         ctrl = hc.controller(allocator, host, name, extra)
@@ -173,7 +174,7 @@ def test_a_hostile_pool_file_costs_a_miss_never_wrong_bytes(tmp_path: Path, how:
             foreign = next(p for p in pool_files(pool))
         finally:
             other.close()
-    ctrl = hc.controller(allocator, host, "kvtier", {"pool_url": f"fs://{pool}", "interface_v1": 1})
+    ctrl = hc.controller(allocator, host, "kvtier", {"pool_url": new_pool(pool), "interface_v1": 1})
     try:
         tokens = hc.tokens_for(5, 8)
         hashes, indices, _ = hc.backup(ctrl, host, tokens, seed=5)
@@ -288,7 +289,7 @@ def test_the_pool_budget_holds_and_stats_reach_sglang(tmp_path: Path) -> None:
     writer) is False, never an exception, and SGLang's storage stats count the pages that landed."""
     _, host = hc.host_pool()
     page_file = 4096 + hc.PAGE * hc.LAYERS * 2 * hc.HEADS * hc.HEAD_DIM * 2
-    cfg = storage_config({"pool_url": f"fs://{tmp_path / 'pool'}", "pool_bytes": 40 * page_file})
+    cfg = storage_config({"pool_url": new_pool(tmp_path / "pool"), "pool_bytes": 40 * page_file})
     b = StorageBackendFactory.create_backend("dynamic", cfg, host)
     b.register_mem_pool_host(host)
     try:

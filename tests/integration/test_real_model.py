@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from _pool import new_pool
 from integration import _runs
 from kvtier.bench.offline import REAL_TIE_NATS, first_difference, same_answer
 
@@ -89,7 +90,7 @@ def tp_runs(real_model: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathF
     twice = [{"p": i} for i in range(n + 1)] + [{"p": i, "tag": "own cache"} for i in range(1, n + 1)]
 
     def run(name: str, pool: str, tp: int, plan: list[dict[str, Any]] | None = None) -> Any:
-        connector = {"host_bytes": "64MiB", "pool_url": f"fs://{tmp / pool}", "disk_path": str(tmp / f"disk-{name}"),
+        connector = {"host_bytes": "64MiB", "pool_url": new_pool(tmp / pool), "disk_path": str(tmp / f"disk-{name}"),
                      **ALWAYS}
         options: dict[str, Any] = {"max_tokens": 24, "tensor_parallel_size": tp}
         if plan is not None:
@@ -132,7 +133,7 @@ def test_a_fresh_engine_resumes_the_previous_turn_and_its_answer_from_the_pool(
     from kvtier.bench.coding import next_turn
 
     first = session_ending_late_in_a_block(tokenizer)
-    connector = {"host_bytes": "64MiB", "pool_url": f"fs://{tmp_path / 'pool'}", **ALWAYS}
+    connector = {"host_bytes": "64MiB", "pool_url": new_pool(tmp_path / "pool"), **ALWAYS}
     (turn1,), _ = _runs.run_engine(real_model, tmp_path, "turn1", [first], connector, max_tokens=40)
     second = next_turn(tokenizer, first, turn1["tokens"], "Now write a docstring for it.")
     (turn2,), metrics = _runs.run_engine(real_model, tmp_path, "turn2", [second], connector, max_tokens=40)

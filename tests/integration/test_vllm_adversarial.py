@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from _pool import new_pool
 from integration import _runs
 
 pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
@@ -59,9 +60,9 @@ def test_a_sync_load_that_falls_short_never_poisons_the_pool(model: Path, tmp_pa
     the whole prompts (5 chunks), so each of its loads fails after the step computed over the
     unfilled blocks; a third engine resumes the whole prompts from the pool alone."""
     prompts = _prompts(4, 5 * CHUNK + 40, seed=21)
-    pool = {**ALWAYS, "pool_url": f"fs://{tmp_path / 'pool'}"}
+    pool = {**ALWAYS, "pool_url": new_pool(tmp_path / "pool")}
     reference, _ = _runs.run_engine(model, tmp_path, "reference", prompts,
-                                    {**pool, "pool_url": f"fs://{tmp_path / 'empty'}", "load_policy": "never"})
+                                    {**pool, "pool_url": new_pool(tmp_path / 'empty'), "load_policy": "never"})
     _runs.run_engine(model, tmp_path, "prefixes", [p[:2 * CHUNK + 10] for p in prompts], pool, max_tokens=1)
     assert _pool_files(tmp_path / "pool") == 4 * 2
     misses = {"pool": {"miss_prob": 1.0, "ops": ["load"]}}
@@ -88,13 +89,13 @@ def test_new_weights_behind_the_same_path_never_read_the_old_weights_kv(model: P
     current = tmp_path / "current"
     shutil.copytree(model, current)
     prompts = _prompts(6, 3 * CHUNK + 20, seed=22)
-    pool = {**ALWAYS, "pool_url": f"fs://{tmp_path / 'pool'}"}
+    pool = {**ALWAYS, "pool_url": new_pool(tmp_path / "pool")}
     _runs.run_engine(current, tmp_path, "old-weights", prompts, pool, max_tokens=1)
     assert _pool_files(tmp_path / "pool") == 6 * 3
     shutil.rmtree(current)
     make_model(current, seed=1)
     reference, _ = _runs.run_engine(current, tmp_path, "new-reference", prompts,
-                                    {**pool, "pool_url": f"fs://{tmp_path / 'empty'}", "load_policy": "never"})
+                                    {**pool, "pool_url": new_pool(tmp_path / 'empty'), "load_policy": "never"})
     got, metrics = _runs.run_engine(current, tmp_path, "new-weights", prompts, pool)
     assert [r["cached"] for r in got] == [0] * 6  # a namespace of its own: nothing of the old model's
     assert metrics["worker"]["connector"]["loaded_tokens"] == 0

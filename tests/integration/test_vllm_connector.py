@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from _pool import new_pool
 from integration import _runs
 
 pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
@@ -55,9 +56,9 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     common = {"host_bytes": 8 * (CHUNK * 2048 + 4096), "chunk_tokens": CHUNK, **ALWAYS}
     out: dict[str, Any] = {"tmp": tmp, "pool": pool}
     out["reference"] = run_engine(model, tmp, "reference",
-                                  {**common, "pool_url": f"fs://{tmp / 'empty-pool'}", "load_policy": "never"})
-    out["writer"] = run_engine(model, tmp, "writer", {**common, "pool_url": f"fs://{pool}"})
-    out["reader"] = run_engine(model, tmp, "reader", {**common, "pool_url": f"fs://{pool}"})
+                                  {**common, "pool_url": new_pool(tmp / 'empty-pool'), "load_policy": "never"})
+    out["writer"] = run_engine(model, tmp, "writer", {**common, "pool_url": new_pool(pool)})
+    out["reader"] = run_engine(model, tmp, "reader", {**common, "pool_url": new_pool(pool)})
     return out
 
 
@@ -139,7 +140,7 @@ def test_corrupt_and_foreign_pool_files_cost_a_recompute_not_a_wrong_token(
     swapped.write_bytes(donor.read_bytes())  # a valid chunk of another prompt under this name
     ref, _ = runs["reference"]
     got, metrics = run_engine(model, tmp, "faulty",
-                              {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": f"fs://{pool}", **ALWAYS})
+                              {"host_bytes": 8 * (CHUNK * 2048 + 4096), "pool_url": new_pool(pool), **ALWAYS})
     assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
     pool_metrics = metrics["worker"]["tiers"]["pool"]
     assert pool_metrics["corrupt_chunks"] == 3
@@ -229,7 +230,7 @@ def test_full_disk_and_missing_pool_cost_recomputes_not_the_engine(model: Path, 
     try:
         got, metrics = run_engine(model, tmp_path, "broken-storage",
                                   {"host_bytes": 8 * (CHUNK * 2048 + 4096), "disk_path": str(small / "disk"),
-                                   "disk_bytes": "1GiB", "pool_url": f"fs://{blocker}/pool"})
+                                   "disk_bytes": "1GiB", "pool_url": new_pool(blocker / "pool")})
     finally:
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
     ref, _ = runs["reference"]

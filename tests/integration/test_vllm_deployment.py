@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from _pool import new_pool
 from integration import _runs
 
 pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
@@ -85,7 +86,7 @@ def tp2(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     """TP=2 without the connector, then a writer and a fresh reader on one pool (and disk)."""
     tmp = tmp_path_factory.mktemp("tp2")
     prompts = long_prompts(3, 1300, 2600, seed=5)
-    common = {"host_bytes": "64MiB", "chunk_tokens": CHUNK, "pool_url": f"fs://{tmp / 'pool'}",
+    common = {"host_bytes": "64MiB", "chunk_tokens": CHUNK, "pool_url": new_pool(tmp / 'pool'),
               "disk_path": str(tmp / "disk"), **ALWAYS}
     out: dict[str, Any] = {"tmp": tmp, "prompts": prompts}
     for name, connector in (("plain", None), ("writer", common), ("reader", common)):
@@ -133,7 +134,7 @@ def cross_tp(model: Path, tp2: dict[str, Any]) -> dict[str, Any]:
     shutil.copytree(tmp / "pool", tmp / "pool-of-tp2")  # the TP=2 tests count the original's files
 
     def connector(pool: str, disk: str) -> dict[str, Any]:
-        return {"host_bytes": "64MiB", "chunk_tokens": CHUNK, "pool_url": f"fs://{tmp / pool}",
+        return {"host_bytes": "64MiB", "chunk_tokens": CHUNK, "pool_url": new_pool(tmp / pool),
                 "disk_path": str(tmp / disk), **ALWAYS}
 
     out: dict[str, Any] = {"prompts": prompts}
@@ -163,7 +164,7 @@ def test_a_tp1_engine_resumes_what_a_tp2_engine_wrote_and_the_other_way_round(cr
 
 def test_vllms_default_fail_policy_is_refused_at_start_with_the_fix(model: Path, tmp_path: Path) -> None:
     with pytest.raises(_runs.EngineFailed) as failed:
-        _runs.run_engine(model, tmp_path, "fail-policy", [[1, 2, 3]], {"pool_url": f"fs://{tmp_path / 'pool'}"},
+        _runs.run_engine(model, tmp_path, "fail-policy", [[1, 2, 3]], {"pool_url": new_pool(tmp_path / "pool")},
                          failure_policy="fail", timeout_s=300)
     assert "kv_load_failure_policy" in failed.value.stderr
     assert '"kv_load_failure_policy": "recompute"' in failed.value.stderr
@@ -177,7 +178,7 @@ def test_a_request_aborted_while_its_kv_loads_frees_its_blocks_and_the_engine_go
     the same prompt again is served, from the pool, with outputs equal to plain vLLM."""
     rng = random.Random(13)
     long, short = [rng.randrange(100, 31000) for _ in range(4096 + 40)], [rng.randrange(100, 31000) for _ in range(200)]
-    pool = {"chunk_tokens": CHUNK, "pool_url": f"fs://{tmp_path / 'pool'}", "host_bytes": "64MiB", **ALWAYS}
+    pool = {"chunk_tokens": CHUNK, "pool_url": new_pool(tmp_path / "pool"), "host_bytes": "64MiB", **ALWAYS}
     _runs.run_engine(model, tmp_path, "populate", [long], pool, max_tokens=1)
     slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 0.3, "max_delay_s": 0.3, "ops": ["load"]}}
     actions = [{"at": 0.0, "submit": "resume", "prompt": 0, "max_tokens": 8},

@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+from _pool import new_pool
+
 pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
 
 if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
@@ -48,7 +50,7 @@ class Server:
         # Without tails: these tests match KV events (which announce chunks, not tails) against
         # the pool's files, and the pool's hit counters (whole chunks) against vLLM's cached
         # tokens. Tails in real engines: test_vllm_connector, test_vllm_deployment, test_gluster.
-        cfg.write_text(json.dumps({"pool_url": f"fs://{pool}", "pool_bytes": "1GiB", "host_bytes": "256MiB",
+        cfg.write_text(json.dumps({"pool_url": new_pool(pool), "pool_bytes": "1GiB", "host_bytes": "256MiB",
                                    "chunk_tokens": CHUNK, "tail_chunks": False}))
         args = ["--model", str(model), "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
                 "--enforce-eager", "--max-model-len", "4096", "--max-num-batched-tokens", "4096",

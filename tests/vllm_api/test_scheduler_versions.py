@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from _engine import BS, VERSION, Engine, run_alone
 
+from _pool import new_pool
+
 CHUNK = 64
 PROMPT_LEN = 1000
 USABLE = (PROMPT_LEN - 1) // BS * BS  # vLLM computes at least the last token: 992 loadable
@@ -66,7 +68,7 @@ def test_a_prompt_computed_once_is_loaded_into_new_blocks_with_its_kv(engines: A
 
 
 def test_a_restarted_engine_resumes_from_the_pool(engines: Any, tmp_path: Path) -> None:
-    config = {"chunk_tokens": CHUNK, "host_bytes": 0, "pool_url": str(tmp_path / "pool"), "load_policy": "always"}
+    config = {"chunk_tokens": CHUNK, "host_bytes": 0, "pool_url": new_pool(tmp_path / "pool"), "load_policy": "always"}
     first = engines(config)
     run_alone(first, [("first", PROMPT, 4)])
     first.close()

@@ -25,6 +25,7 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
+from kvtier.tiers.poolroot import scratch_pool
 
 SESSIONS = 8
 SESSION_TOKENS = 4096 + 100  # a partial trailing chunk, as real prompts have
@@ -37,7 +38,7 @@ def round_trip(root: Path) -> dict[str, Any]:
     sessions = [rng.integers(0, 32000, SESSION_TOKENS).astype(np.uint32) for _ in range(SESSIONS)]
     kvs = [torch.randn(layout.shape(SESSION_TOKENS)).to(torch.bfloat16) for _ in range(SESSIONS)]
     common = {"model_id": "demo-tiny-llama", "layout": layout, "chunk_tokens": 256,
-              "pool_url": f"fs://{root / 'pool'}", "pool_bytes": 1 << 30}
+              "pool_url": scratch_pool(root / "pool"), "pool_bytes": 1 << 30}
     t0 = time.perf_counter()
     with TieredStore.open(host_bytes=64 << 20, disk_path=root / "disk-a", **common) as a:  # type: ignore[arg-type]
         for tokens, kv in zip(sessions, kvs, strict=True):
@@ -92,7 +93,7 @@ def _a_and_b(root: Path, model: Path, prompts: list[list[int]], warmup: list[int
     n = len(prompts)
     base = {"model": str(model), "prompts": [warmup, *prompts], "max_tokens": max_tokens, "connector": "kvtier",
             "kv_cache_gib": 2, "logprobs": 5, "log_stats": True,
-            "extra": {"pool_url": f"fs://{root / 'engine-pool'}", "host_bytes": "512MiB"}}
+            "extra": {"pool_url": scratch_pool(root / "engine-pool"), "host_bytes": "512MiB"}}
     again = [{"p": i, "tag": "floor"} for i in range(1, n + 1)] if floor else []
     a = _engine({**base, "plan": [{"p": i} for i in range(n + 1)] + again}, root, "a")
     b = _engine(base, root, "b")

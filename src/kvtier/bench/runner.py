@@ -23,6 +23,7 @@ import yaml
 from kvtier.bench.client import Target
 from kvtier.bench.configs import CONFIGS, FLOOR, SERVED_NAME, SuiteSpec
 from kvtier.bench.engines import EngineError, Process, free_port, root_cause
+from kvtier.tiers.poolroot import scratch_pool
 
 ENGINES = {  # configuration -> the ConfigRunner method that builds its engine's argv
     "engine-cache": "_vllm", "recompute": "_vllm", "local-disk": "_kvtier", "shared-pool": "_kvtier",
@@ -137,7 +138,7 @@ class ConfigRunner:
             settings["disk_path"] = str(self.work / f"disk-{i}")
             settings["disk_bytes"] = "16GiB"
         else:
-            settings["pool_url"] = f"fs://{self.work / 'pool'}"
+            settings["pool_url"] = scratch_pool(self.work / "pool")
             settings["pool_bytes"] = "16GiB"
         settings["metrics_file"] = str(self.work / f"metrics-{i}")
         settings["profile_file"] = str(self.work / f"profile-{i}.jsonl")  # the resume profile (bench.profiles)

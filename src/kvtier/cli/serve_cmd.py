@@ -9,7 +9,8 @@ reaches the server's command line, which every local user can read in ``/proc/PI
 and which vLLM logs. Secrets can stay out of the file too: ``${VAR}`` in a value is read from
 the environment by the connector. The model, layout and dtype come from vLLM; everything else
 from the file (``pool_url``, ``host_bytes``, ``disk_path``, ...). The file is parsed here first,
-so a typo fails before vLLM starts.
+so a typo fails before vLLM starts: every setting is validated (``integrations.vllm.preflight``),
+and an fs pool must exist and be marked (``kvtier pool init``).
 Unless the arguments set one, it adds ``--shutdown-timeout 30`` so that stopping the server
 lets kvtier flush its queued writes. A vLLM release the connector was not tested with is
 refused here, before vLLM starts (``integrations.vllm.releases``; the config file's
@@ -87,9 +88,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtier.integrations.vllm.preflight import check_config
     from kvtier.integrations.vllm.releases import UntestedRelease
 
     cmd = command(args)
+    check_config(args.config)  # ValueError: one line, exit 2 (cli.main), before vLLM starts
     if args.print_command:
         print(json.dumps(cmd))
         return 0

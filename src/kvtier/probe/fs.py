@@ -36,6 +36,7 @@ from kvtier.layout import KVLayout
 from kvtier.probe.result import DEFAULT_LAYOUT, ProbeResult, Row, get_bandwidth
 from kvtier.store import TieredStore
 from kvtier.tiers.base import aligned_buffer
+from kvtier.tiers.poolroot import expect_local, init_pool
 
 
 @dataclass
@@ -146,6 +147,8 @@ def _probe(root: Path, total_bytes: int, threads: int, repeats: int, layout: KVL
                         "write_queue_chunks": n_sessions * session_chunks + 1}
     sessions = [rng.integers(0, 32000, session_chunks * chunk_tokens).astype(np.uint32)
                 for _ in range(n_sessions)]
+    init_pool(root / "pool", 4 * total_bytes + (1 << 30))  # a scratch pool of the probe's own
+    expect_local(root / "pool")
     store = TieredStore.open(**store_kwargs)  # type: ignore[arg-type]
     serial_store = TieredStore.open(**{**store_kwargs, "io_threads": 1})  # type: ignore[arg-type]
     try:

@@ -5,8 +5,13 @@ chunks are published atomically under content-addressed names, every read is val
 chunk deleted between lookup and read is a counted miss, and unlinking a file never breaks a
 reader that already opened it (POSIX; NFS keeps it alive by silly-rename).
 
-**The byte budget** holds across all instances, with no counter that they all rewrite and no
-scan of the pool under a lock:
+**The byte budget** is the pool's own: recorded in ``ROOT/.budget`` by ``kvtier pool init
+--max-bytes`` or ``kvtier pool budget`` and read by every instance (``tiers/poolroot.py``); an
+instance's ``pool_bytes`` is the budget only where the pool records none, and otherwise only
+lowers that instance's own admissions. Here an *instance* is each process that opens the pool:
+a vLLM engine at tensor parallel N is N + 1 of them (its scheduler, which looks chunks up, and
+each worker, which writes its heads). The budget holds across all of them, with no counter that
+they all rewrite and no scan under a lock:
 
 * Accounting (``tiers/ledger.py``): each instance counts the bytes it publishes and unlinks
   in a ledger file of its own, ``ROOT/.usage.d/<instance>.json``, which it rewrites (no lock)
@@ -33,7 +38,10 @@ however far eviction lags: the last instance to read the total saw each other's 
 is now, less at most ``sync_bytes`` each. (When one instance's writer threads keep more than
 ``sync_bytes`` in flight, e.g. chunks larger than it, that instance counts with its in-flight
 bytes instead.) With the defaults: budget x (1 + 1/16 + (instances - 1)/32), 1.16 x budget for
-four instances. Until a new pool (or one whose ``.usage`` was lost) has been counted once, the
+four writing instances. Only processes that publish count in ``instances`` (a vLLM scheduler
+process never does: its ledger is always current), so a fleet of E engines at TP=N counts E x N:
+four TP=8 engines are 32 writers, budget x 2.03 with the defaults, and a pool's filesystem
+needs that headroom over its budget. Until a new pool (or one whose ``.usage`` was lost) has been counted once, the
 total is a sample's estimate. The ``chunks`` gauge is an estimate too (exact after a full pass).
 
 Retention (``retain``): a chunk kept for a session until a time gets that time as its mtime.
@@ -58,6 +66,7 @@ a failed sync was adding are kept for the next.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -75,7 +84,11 @@ from kvtier.tiers.evictlog import EVICTION_READ_MAX_BYTES, EvictionLog
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.ledger import Ledger, Usage, read_usage
 from kvtier.tiers.poollock import PoolLocks
+from kvtier.tiers.poolroot import BUDGET_REFRESH_S, check_pool_root, describe_at_open, read_budget
 from kvtier.urls import parse_pool_url
+
+log = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
 
 TOUCH_INTERVAL_S = 60.0
 CAP_MARGIN = 16  # the cap is budget + max(budget // CAP_MARGIN, sync_bytes)
@@ -84,6 +97,12 @@ LEASE_WAIT_S = 10.0  # an explicit evict() waits this long for another evictor's
 SYNC_FAILED = "budget sync failed"
 __all__ = ["EVICTION_READ_MAX_BYTES", "LOW_WATERMARK", "PoolTier", "cap_bytes", "default_sync_bytes",
            "overshoot_bound", "parse_pool_url"]
+
+
+def _log_once(root: object, what: str, message: str, *args: object) -> None:
+    if (str(root), what) not in _logged:
+        _logged.add((str(root), what))
+        log.warning(message, *args)
 
 
 def default_sync_bytes(capacity_bytes: int | None) -> int:
@@ -109,8 +128,14 @@ class PoolTier(TierBase):
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None, *,
                  fsync: bool = False, direct_io: bool = True, sync_bytes: int | None = None,
-                 group_access: bool = False) -> None:
-        self.capacity_bytes = capacity_bytes
+                 group_access: bool = False, create: bool = False) -> None:
+        """Open the pool at ``path``: an existing, marked pool directory (``tiers/poolroot.py``)
+        unless ``create``, which makes and marks it first (``kvtier pool init`` does that for
+        users). ``capacity_bytes`` is this instance's ``pool_bytes``: the budget when the pool
+        records none, and otherwise a limit on this instance's own admissions only."""
+        if not create:
+            check_pool_root(path)
+        self.own_bytes = capacity_bytes
         self.metrics = TierMetrics(self.name)
         self.files = ChunkFiles(path, fsync=fsync, direct_io=direct_io, group_access=group_access)
         try:
@@ -124,9 +149,19 @@ class PoolTier(TierBase):
                                            f"{exc.strerror or exc}") from exc
         self.locks = PoolLocks(self.files, self.metrics)
         self.lock_works = self.locks.probe()
-        self.sync_bytes = sync_bytes = default_sync_bytes(capacity_bytes) if sync_bytes is None else sync_bytes
-        self.cap_bytes = None if capacity_bytes is None else cap_bytes(capacity_bytes, sync_bytes)
-        """Above this, writers refuse to publish (the overshoot bound's cap; None: no budget)."""
+        self.mount = describe_at_open(self.files.root)
+        self.pool_budget = read_budget(self.files.root)
+        self._budget_read_at = time.monotonic()
+        self.capacity_bytes = self.pool_budget if self.pool_budget is not None else capacity_bytes
+        """The pool's budget, which eviction holds: the one recorded in the pool, else ``pool_bytes``."""
+        self.sync_bytes = default_sync_bytes(self.capacity_bytes) if sync_bytes is None else sync_bytes
+        self.cap_bytes: int | None = None
+        """Above this, this instance refuses to publish (the overshoot bound's cap, lowered by
+        its own ``pool_bytes``; None: no budget)."""
+        self._set_cap()
+        if self.capacity_bytes is None:
+            log.warning("kvtier pool %s has no budget (none recorded in the pool, no pool_bytes): it grows until "
+                        "its filesystem is full; set one with `kvtier pool budget %s SIZE`", path, path)
         self.journal: ChangeJournal = ChangeJournal()
         self.ledger = Ledger(self.files, self.locks)
         self._mutex = threading.Lock()  # the fields below
@@ -138,10 +173,42 @@ class PoolTier(TierBase):
         self._read_at = -float("inf")  # time.monotonic() of the last read
         self._inflight = 0  # bytes admitted and not yet published (or given up)
         self.eviction_log = EvictionLog(self.files)
-        self.evictor = Evictor(self, self.files, self.locks, self.ledger, self.journal, self.metrics, sync_bytes,
+        self.evictor = Evictor(self, self.files, self.locks, self.ledger, self.journal, self.metrics, self.sync_bytes,
                                self.eviction_log)
-        if capacity_bytes is not None:
+        self._evicting = False
+        self._start_evictor()
+
+    # -- the budget (tiers/poolroot.py) -------------------------------------------------------
+
+    def _set_cap(self) -> None:
+        caps = [cap_bytes(b, self.sync_bytes) for b in (self.pool_budget, self.own_bytes) if b is not None]
+        self.cap_bytes = min(caps) if caps else None
+        if self.pool_budget is not None and self.own_bytes is not None and self.own_bytes != self.pool_budget:
+            lowers = self.own_bytes < self.pool_budget
+            _log_once(self.files.root, f"budget-disagrees-{self.own_bytes}",
+                      "kvtier pool %s: pool_bytes %d differs from the budget recorded in the pool (%d); the pool's "
+                      "budget is the one eviction holds, and %s", self.files.root, self.own_bytes, self.pool_budget,
+                      "this instance admits chunks only while the pool is within its own pool_bytes" if lowers
+                      else "this instance's larger pool_bytes is ignored")
+
+    def _start_evictor(self) -> None:
+        if self.capacity_bytes is not None and not self._evicting:
+            self._evicting = True
             self.evictor.start()
+
+    def _refresh_budget(self) -> None:
+        """Read the pool's budget again when ``BUDGET_REFRESH_S`` have passed (in a sync)."""
+        now = time.monotonic()
+        if now - self._budget_read_at < BUDGET_REFRESH_S:
+            return
+        self._budget_read_at = now
+        budget = read_budget(self.files.root)
+        if budget is None or budget == self.pool_budget:
+            return
+        log.info("kvtier pool %s: budget now %d bytes (was %s)", self.files.root, budget, self.pool_budget)
+        self.pool_budget = self.capacity_bytes = budget
+        self._set_cap()
+        self._start_evictor()
 
     # -- protocol ---------------------------------------------------------------------------
 
@@ -218,6 +285,7 @@ class PoolTier(TierBase):
             return self._sync(wake)
 
     def _sync(self, wake: bool = True) -> int:
+        self._refresh_budget()
         if self.ledger.due(HEARTBEAT_S):
             self.ledger.write()
         usage = read_usage(self.files.root, self._usage)

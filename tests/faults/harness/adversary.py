@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from _pool import new_pool
 from kvtier import StoreConfig, TieredStore
 from kvtier.store import MAX_DESCRIBED, MAX_SPECS
 from kvtier.tiers.disk import DiskTier
@@ -69,7 +70,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _config(pool: Path, budget: int) -> StoreConfig:
     return StoreConfig(model_id=MODEL_ID, layout=LAYOUT, chunk_tokens=CHUNK_TOKENS, host_bytes=0,
-                       pool_url=f"fs://{pool}", pool_bytes=budget, io_threads=2, read_timeout_s=5.0)
+                       pool_url=new_pool(pool), pool_bytes=budget, io_threads=2, read_timeout_s=5.0)
 
 
 def _fifo(path: Path, outside: Path) -> None:
@@ -182,7 +183,7 @@ def _bad_retention(scale: Scale, work: Path) -> FaultRow:
     prompts = make_prompts(scale.corrupt_files, seed=7)
     row = FaultRow("retain until 1e20, inf, NaN, -1, a string...", injected=0)
     config = StoreConfig(model_id=MODEL_ID, layout=LAYOUT, chunk_tokens=CHUNK_TOKENS, host_bytes=1 << 20,
-                         disk_path=str(work / "disk"), pool_url=f"fs://{work / 'pool'}", io_threads=2)
+                         disk_path=str(work / "disk"), pool_url=new_pool(work / 'pool'), io_threads=2)
     with TieredStore(config) as store:
         for i, prompt in enumerate(prompts):
             row.injected += 1
@@ -237,7 +238,7 @@ def _salt_flood(scale: Scale, work: Path) -> FaultRow:
     rng = random.Random(9)
     row = FaultRow(f"{n} distinct cache_salts", injected=n)
     config = StoreConfig(model_id=MODEL_ID, layout=LAYOUT, chunk_tokens=CHUNK_TOKENS, host_bytes=1 << 20,
-                         pool_url=f"fs://{work / 'pool'}", io_threads=2)
+                         pool_url=new_pool(work / 'pool'), io_threads=2)
     first = prompts[0].tokens[:CHUNK_TOKENS], prompts[0].chunk_kv(0)
     with TieredStore(config) as store:
         for i in range(n):

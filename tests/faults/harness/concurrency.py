@@ -145,7 +145,7 @@ def _worker(pool: Path, worker: int, peers: int, published: Any, deadline: float
         rng = random.Random(seed)
         counts = Counts()
         budget = POOL_CHUNKS * SPEC.file_bytes
-        tier = PoolTier(pool, budget)
+        tier = PoolTier(pool, budget, create=True)
         config = StoreConfig(model_id=MODEL_ID, layout=LAYOUT, chunk_tokens=CHUNK_TOKENS, host_bytes=0,
                              io_threads=2, write_threads=1, write_queue_chunks=16, read_timeout_s=30.0)
         with TieredStore(config, tiers=[tier]) as store:
@@ -306,7 +306,7 @@ def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
     their number) and the gc loop reach it, e.g. through two mounts of a shared filesystem;
     the final checks read ``pool``."""
     t0 = time.perf_counter()
-    PoolTier(pool, None).close()  # the directory and its marker, before anyone races for them
+    PoolTier(pool, None, create=True).close()  # the directory and its marker, before anyone races for them
     # Each writer's count of published prompts, in shared memory (one writer per slot).
     published = multiprocessing.get_context("fork").RawArray("q", processes)
     deadline = time.monotonic() + seconds
@@ -353,7 +353,7 @@ def share_pool(pool: Path, processes: int, seconds: float, seed: int = 0, *,
     prompts = [prompt_id(w, n) for w in range(processes) for n in range(published[w])]
     prompts += [prompt_id(SHARED_OWNER, n) for n in range(SHARED_PROMPTS)]
     known = expected_by_key(prompts)
-    reader = PoolTier(pool, None)
+    reader = PoolTier(pool, None, create=True)
     final_identical = final_wrong = final_unknown = 0
     for f in reader.files.scan():
         where = known.get(f.key)

@@ -113,7 +113,7 @@ def _write_stream(pool: Path, fsync: bool, writer: int, payloads: Payloads, ack_
     """Publish chunks ``writer << SEQ_BITS | n`` for n = 0, 1, ... until killed; acknowledge
     each one (an atomic 8-byte pipe write) only after ``store`` returned WRITTEN."""
     try:
-        tier = PoolTier(pool, None, fsync=fsync, sync_bytes=SYNC_BYTES)
+        tier = PoolTier(pool, None, fsync=fsync, sync_bytes=SYNC_BYTES, create=True)
         # One buffer, restamped per chunk: store copies it into the file and keeps no
         # reference, and skipping a fresh allocation per chunk (page faults) keeps the
         # writer inside publish most of the time, where the kills should land.
@@ -254,7 +254,7 @@ def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: boo
     t0 = time.perf_counter()
     rng = random.Random(seed)
     payloads = Payloads(seed)
-    PoolTier(pool, None).close()  # creates the directory and its marker
+    PoolTier(pool, None, create=True).close()  # creates the directory and its marker
     acked: list[int] = []
     killed_pids: set[int] = set()
     crashes = 0
@@ -267,13 +267,13 @@ def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: boo
         else:
             crashes += 1
 
-    files = PoolTier(pool, None).files
+    files = PoolTier(pool, None, create=True).files
     temps = [p for p, _ in files.temp_files()]
     root_temps = [p for p in pool.iterdir() if p.name.endswith(TMP_SUFFIX)]
     kills_with_temp = len({_temp_pid(p) for p in temps} & killed_pids)
     report = admin.verify(pool)
 
-    reader = PoolTier(pool, None)
+    reader = PoolTier(pool, None, create=True)
     served = identical = wrong = lost = 0
     for s in acked:
         try:
@@ -291,7 +291,7 @@ def kill_writers(pool: Path, kills: int, *, fsync: bool, seed: int = 0, cli: boo
     gc = admin.gc(pool, max_bytes=1 << 62, tmp_age_s=0)
     temps_after = sum(1 for _ in files.temp_files())
     cli_rc, cli_report = _cli_verify(pool) if cli else (0, {})
-    usage_after = PoolTier(pool, None).sync()  # the locks and the accounting files survived the kills
+    usage_after = PoolTier(pool, None, create=True).sync()  # the locks and the accounting files survived the kills
 
     sound = not (wrong or lost or crashes or report.bad or temps_after or cli_rc)
     if sound and not keep:

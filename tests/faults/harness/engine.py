@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _pool import new_pool
 from faults.harness import FaultRow, Scale, is_root, scenario
 from kvtier.bench.offline import near_tie
 
@@ -131,7 +132,7 @@ class Bench:
     def reference(self) -> Run:
         """Each prompt once, in an engine that never loads: recompute tokens and times."""
         if self._reference is None:
-            run = self.run("reference", self.base("reference", pool_url=f"fs://{self.workdir / 'ref-pool'}",
+            run = self.run("reference", self.base("reference", pool_url=new_pool(self.workdir / 'ref-pool'),
                                                   load_policy="never"),
                            [{"p": i} for i in range(len(self.prompts))])
             if run.rc != 0:
@@ -223,7 +224,7 @@ def storage_faults(bench: Bench, workdir: Path) -> list[FaultRow]:
         plan += [{"p": i, "tag": f"{stage}:again"} for i in g0]
     plan.append({"sh": f"test ! -e {q(str(pool))}"})  # the removed pool was not recreated
     try:
-        run = bench.run("storage", bench.base("storage", pool_url=f"fs://{pool}"), plan)
+        run = bench.run("storage", bench.base("storage", pool_url=new_pool(pool)), plan)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     if run.rc != 0:
@@ -271,7 +272,7 @@ def hanging_pool(bench: Bench, ops: tuple[str, ...] = ("load",)) -> list[FaultRo
     pool = bench.workdir / name
     shutil.rmtree(pool, ignore_errors=True)
     shutil.copytree(bench.workdir / "ref-pool", pool)
-    run = bench.run(name, bench.base(name, pool_url=f"fs://{pool}", read_timeout_s=READ_TIMEOUT_S,
+    run = bench.run(name, bench.base(name, pool_url=new_pool(pool), read_timeout_s=READ_TIMEOUT_S,
                                      inject_faults=faults), [{"p": i} for i in group])
     what = "read" if ops == ("load",) else "lookup and read"
     fault = f"every pool {what} hangs {HANG_S:.0f} s (read_timeout_s={READ_TIMEOUT_S})"
@@ -297,7 +298,7 @@ def hanging_pool(bench: Bench, ops: tuple[str, ...] = ("load",)) -> list[FaultRo
 def tenant_isolation(bench: Bench) -> list[FaultRow]:
     """Tenant A fills the pool; in a second engine, other tenants send the same prompts."""
     group = list(range(min(6, len(bench.prompts))))
-    pool = f"fs://{bench.workdir / 'tenant-pool'}"
+    pool = new_pool(bench.workdir / 'tenant-pool')
     a = bench.run("tenant-a", bench.base("tenant-a", pool_url=pool), [{"p": i, "salt": "tenant-a"} for i in group])
     plan = ([{"p": i, "salt": "tenant-b", "tag": "salt"} for i in group] + [{"reset": True}]
             + [{"p": i, "tag": "instance"} for i in group] + [{"reset": True}]
@@ -340,7 +341,7 @@ def shared_pool_with_gc(bench: Bench, minutes: float, pools: tuple[Path, Path, P
     gc_mib = pool_mib * 3 // 4
     loop_s = minutes * 60 if minutes > 0 else None
     t0 = time.monotonic()
-    engines = {name: bench.start(name, bench.base(name, pool_url=f"fs://{path}", pool_bytes=f"{pool_mib}MiB"),
+    engines = {name: bench.start(name, bench.base(name, pool_url=new_pool(path), pool_bytes=f"{pool_mib}MiB"),
                                  [{"p": i} for i in order], loop_s)
                for name, order, path in (("shared-1", range(n), paths[0]), ("shared-2", reversed(range(n)), paths[1]))}
     gc_log = bench.workdir / "gc.log"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from _pool import new_pool
 from kvtier import KVLayout, StoreConfig, TieredStore, admin
 from kvtier.format import (
     HEADER_STRUCT_BYTES,
@@ -52,7 +53,7 @@ GET_TIMEOUT_S = 5.0
 
 def store_config(pool: Path) -> StoreConfig:
     return StoreConfig(model_id=MODEL_ID, layout=LAYOUT, chunk_tokens=CHUNK_TOKENS, host_bytes=1 << 20,
-                       pool_url=f"fs://{pool}", io_threads=2, read_timeout_s=GET_TIMEOUT_S)
+                       pool_url=new_pool(pool), io_threads=2, read_timeout_s=GET_TIMEOUT_S)
 
 
 @dataclass

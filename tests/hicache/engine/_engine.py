@@ -19,6 +19,8 @@ from pathlib import Path
 
 import sglang as sgl
 
+from kvtier.admin import init_pool
+
 PAGE = 16
 PROMPTS = [" ".join(f"word{i}" for i in range(300)),
            " ".join(f"token{i % 97} item{i}" for i in range(200))]
@@ -28,7 +30,7 @@ def engine(model: str, pool: Path, mode: str) -> sgl.Engine:
     hicache = {}
     if mode != "recompute":
         extra = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-                 "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "pool_url": f"fs://{pool}"}
+                 "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "pool_url": f"fs://{init_pool(pool, None)}"}
         hicache = {"enable_hierarchical_cache": True, "hicache_ratio": 2.0, "hicache_write_policy": "write_through",
                    "hicache_io_backend": "direct", "hicache_mem_layout": "layer_first",
                    "hicache_storage_prefetch_policy": "wait_complete", "hicache_storage_backend": "dynamic",

@@ -10,15 +10,16 @@ start, with a ``ValueError`` that names the setting and the fix (``UnsupportedDe
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.config import StoreConfig, load_settings, read_settings_file
+from kvtier.config import CONNECTOR_SETTINGS, StoreConfig, load_settings, read_settings_file
 from kvtier.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -126,9 +127,7 @@ class ConnectorConfig:
     file_settings: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The store settings of the ``config`` file (read by ``split``; never shown: it may hold secrets)."""
 
-    KEYS = ("load_policy", "read_gbps", "prefill_tokens_per_s", "min_load_tokens", "load_mode", "load_coalesce_ms",
-            "save_decode", "tail_chunks", "lookup_timeout_s", "retain_s", "max_retain_s", "trust_mm_identifiers",
-            "events_max_chunks", "metrics_file", "profile_file", "config", "inject_faults", "allow_untested_vllm")
+    KEYS = CONNECTOR_SETTINGS
 
     def __post_init__(self) -> None:
         if self.load_policy not in LOAD_POLICIES:
@@ -180,15 +179,49 @@ class ConnectorConfig:
         file; the file's ``${VAR}`` references are expanded here, inside the connector, so a
         secret reaches vLLM's command line and logs as a variable's name at most."""
         rest = dict(extra or {})
-        path = rest.get("config")
+        from_env = cls.from_env(os.environ)
+        path = rest.get("config", from_env.get("config"))
         from_file: dict[str, Any] = {}
         if path is not None:
             if not isinstance(path, (str, os.PathLike)) or not str(path):
                 raise ValueError(f"kvtier setting config: expected a file path, got {path!r}")
             from_file = read_settings_file(path)
         mine = {k: from_file.pop(k) for k in cls.KEYS if k in from_file and k != "config"}
+        mine.update(from_env)  # the file < KVTIER_* variables < the extra config, as for the store's settings
         mine.update({k: rest.pop(k) for k in cls.KEYS if k in rest})
         return cls(**mine, file_settings=from_file), rest
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> dict[str, Any]:
+        """The connector's settings given as ``KVTIER_<NAME>`` variables, parsed by the type of
+        each setting; ValueError naming the variable for a value of the wrong type."""
+        types = {f.name: str(f.type) for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for key in cls.KEYS:
+            var = f"KVTIER_{key.upper()}"
+            if var in environ:
+                out[key] = _parse_env(var, environ[var], types[key])
+        return out
+
+
+def _parse_env(var: str, raw: str, kind: str) -> Any:
+    """``raw`` as the setting's type (its annotation, ``kind``)."""
+    try:
+        if "Mapping" in kind:
+            return json.loads(raw)
+        if kind == "bool":
+            if raw.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return raw.lower() in ("1", "true", "yes", "on")
+            raise ValueError
+        if "None" in kind and raw.lower() in ("", "none", "null"):
+            return None
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{var}: expected {kind.replace(' | None', '')}, got {raw!r}") from None
+    return raw
 
 
 @dataclass(frozen=True)
