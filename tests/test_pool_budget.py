@@ -219,6 +219,62 @@ def test_a_dead_instances_ledger_is_folded_into_the_base_once(open_pool, pool_di
     assert read_usage(pool_dir).total == total
 
 
+def test_planted_ledger_names_never_hide_the_real_ones(open_pool, pool_dir, tiny, monkeypatch):
+    """6f37bba read the first 1024 names in sorted order: 1024 planted names hid every real
+    ledger (a pool at 60 MiB in a 16 MiB budget, accounted 0)."""
+    admin.gc(ChunkFiles(pool_dir).root, 1 << 40)
+    writer = open_pool()
+    for chunk in tiny.chunks(5):
+        writer.store(chunk, tiny.spec())
+    writer.sync()
+    folder = pool_dir / LEDGER_DIR
+    for i in range(1100):  # names that sort before any real id, and that new_id() cannot make
+        (folder / f"0-{i:05d}.json").write_text('{"added": 1073741824, "removed": 0, "heartbeat": 0}')
+    assert read_usage(pool_dir).total == 5 * FILE and writer.ledger.id in read_usage(pool_dir).ledgers
+    # Past MAX_LEDGERS names new_id() could make, the freshest are read: a live ledger is rewritten.
+    monkeypatch.setattr(ledger_mod, "MAX_LEDGERS", 64)
+    old = time.time() - 3600
+    for i in range(200):
+        forged = folder / f"0host-{i}-{i:08x}.json"
+        forged.write_text(json.dumps({"added": 0, "removed": 0, "heartbeat": old}))
+        os.utime(forged, (old, old))
+    writer.store(tiny.chunks(6)[5], tiny.spec())
+    writer.sync()
+    usage = read_usage(pool_dir)
+    assert writer.ledger.id in usage.ledgers and len(usage.ledgers) == 64 and usage.total == 6 * FILE
+
+
+def test_fold_candidates_that_cannot_be_folded_never_starve_the_dead_ones(open_pool, pool_dir):
+    """6f37bba looked at the first 8 candidates only: 8 that could not be folded kept every
+    other dead ledger unfolded forever."""
+    admin.gc(ChunkFiles(pool_dir).root, 1 << 40)
+    pool = open_pool()
+    folder = pool_dir / LEDGER_DIR
+    folder.mkdir(exist_ok=True)
+    stale = time.time() - STALE_S - 60
+    held = []
+    for i in range(10):  # alive by their lock (an instance stalled past STALE_S), sorted first
+        ident = f"a-{i}-{i:08x}"
+        (folder / f"{ident}.json").write_text(json.dumps({"added": FILE, "removed": 0, "heartbeat": stale}))
+        fd = os.open(folder / f"{ident}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.append(fd)
+    dead = [f"z-{i}-{i:08x}" for i in range(3)]
+    for ident in dead:
+        (folder / f"{ident}.json").write_text(json.dumps({"added": FILE, "removed": 0, "heartbeat": stale}))
+    try:
+        folded: list[str] = []
+        for _ in range(40):
+            folded += fold_dead(pool.files, pool.locks, read_usage(pool_dir).foldable(time.time()))
+            if len(folded) == 3:
+                break
+        assert sorted(folded) == dead
+        assert read_usage(pool_dir).total == 13 * FILE  # folded into the base, none lost
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def test_a_closed_ledger_is_folded_at_once(open_pool, pool_dir, tiny):
     admin.gc(ChunkFiles(pool_dir).root, 1 << 40)
     a = open_pool()

@@ -177,14 +177,52 @@ def test_retention_state_and_queue_are_bounded(tiny):
         until = time.time() + 3600
         for seed in range(20):
             retention.retain(tiny.ids(10, seed=seed), until, [slow])  # type: ignore[list-item]
-        assert len(retention._until) == 100
+        # The thread is stuck in a tier: the callers alone hold the table at max_keys + 1/8.
+        assert len(retention._until) == 112
         newest = tiny.ids(10, seed=19)
         assert all(cid.key in retention._until for cid in newest)  # the oldest retentions went first
+        Slow.gate.set()
+        retention.flush()
+        assert len(retention._until) == 100  # the sweep ran once the thread was free
         snap = retention._metrics.snapshot()
         # 100 of 200 keys forgotten; 17 of the 20 batches found the queue full (1 running, 2 queued).
         assert snap.dropped_retentions == 100 + 17 * 10
     finally:
         Slow.gate.set()
+        retention.close()
+
+
+def test_a_full_retention_table_is_swept_off_the_callers_thread_expired_keys_first(tiny, monkeypatch):
+    """6f37bba rebuilt the whole table (2^18 keys: 18.8 ms) in every retain() once full, on the
+    model runner's thread of every rank."""
+    from kvtier import retention as retention_module
+
+    swept_on: list[str] = []
+    real_sweep = Retention._sweep
+
+    def sweep(self):  # type: ignore[no-untyped-def]
+        swept_on.append(threading.current_thread().name)
+        real_sweep(self)
+
+    monkeypatch.setattr(Retention, "_sweep", sweep)
+    retention = Retention(max_keys=800)
+    try:
+        now = time.time()
+        retention.retain(tiny.ids(400, seed=1), now + 0.2, [])  # expire soon
+        retention.retain(tiny.ids(400, seed=2), now + 3600, [])
+        time.sleep(0.3)
+        passes = len(swept_on)
+        for seed in range(3, 40):
+            retention.retain(tiny.ids(10, seed=seed), now + 3600, [])
+        retention.flush()
+        assert all(cid.key in retention._until for cid in tiny.ids(400, seed=2))  # expired went instead
+        assert not any(cid.key in retention._until for cid in tiny.ids(400, seed=1))
+        assert len(retention._until) == 400 + 37 * 10
+        # At most one pass per max_keys // 8 new keys, and never on this thread.
+        assert 1 <= len(swept_on) - passes <= 1 + 370 // 100
+        assert all(name.startswith("kvtier-retain") for name in swept_on)
+        assert retention_module.MAX_KEYS == 1 << 18
+    finally:
         retention.close()
 
 

@@ -7,9 +7,11 @@ store's background writer calls ``Retention.landed`` after each chunk a tier sto
 keep the retention themselves (a file's mtime, see ``tiers/files.py``); host DRAM and Redis
 do not retain.
 
-Bounded whatever clients ask: at most ``max_keys`` retained keys are remembered (expired ones
-are dropped first, then the oldest retained), and at most ``max_pending`` retentions wait for
-the thread; what does not fit is dropped and counted (``dropped_retentions``).
+Bounded whatever clients ask, at O(1) amortized per key on the caller's thread (the engine's):
+past ``max_keys`` retained keys, the thread drops the expired ones (a pass over the table, off
+the caller's thread, at most once per ``max_keys // 8`` new keys), and past ``max_keys`` plus that
+slack the caller drops the oldest retained, one by one. At most ``max_pending`` retentions wait
+for the thread; what does not fit is dropped and counted (``dropped_retentions``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class Retention:
         self._metrics = metrics or TierMetrics("store")
         self._failures = failures or Failures(self._metrics)
         self._max_keys, self._max_pending = max_keys, max_pending
+        self._hard_keys = max_keys + max(1, max_keys // 8)
         self._pending = 0
+        self._sweeping = False
         self._thread = executor(1, "kvtier-retain", init)
 
     def retain(self, ids: Sequence[ChunkId], until: float, tiers: Sequence[Tier]) -> None:
@@ -61,17 +65,18 @@ class Retention:
             for cid in ids:
                 previous = self._until.pop(cid.key, 0.0)  # re-inserted: the newest retention last
                 self._until[cid.key] = max(until, previous)
-            if len(self._until) > self._max_keys:
-                now = time.time()
-                self._until = {k: t for k, t in self._until.items() if t > now}
-                while len(self._until) > self._max_keys:
-                    del self._until[next(iter(self._until))]
-                    dropped += 1
+            while len(self._until) > self._hard_keys:  # the sweep is behind: the oldest go
+                del self._until[next(iter(self._until))]
+                dropped += 1
+            sweep = len(self._until) > self._max_keys and not self._sweeping
+            self._sweeping |= sweep
             queue = bool(tiers) and self._pending < self._max_pending
             if queue:
                 self._pending += 1
         if dropped:
             self._metrics.add(dropped_retentions=dropped)
+        if sweep:
+            self._thread.submit(self._sweep)
         if not tiers:
             return
         if not queue:
@@ -93,6 +98,29 @@ class Retention:
         """Stop the thread without waiting: best effort, like a read, so a hung filesystem never
         hangs exit."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _sweep(self) -> None:
+        """Drop expired keys, then the oldest retained, down to ``max_keys`` (on the thread: the
+        pass over the table never runs on the caller's). The lock is held for a copy of the
+        values and for the removals, never for the scan."""
+        try:
+            now = time.time()
+            with self._lock:
+                snapshot = list(self._until.items())
+            expired = [k for k, t in snapshot if t <= now]
+            dropped = 0
+            with self._lock:
+                for key in expired:
+                    if self._until.get(key, math.inf) <= now:  # not retained again since
+                        del self._until[key]
+                while len(self._until) > self._max_keys:
+                    del self._until[next(iter(self._until))]
+                    dropped += 1
+            if dropped:
+                self._metrics.add(dropped_retentions=dropped)
+        finally:
+            with self._lock:
+                self._sweeping = False
 
     def _retain_present(self, keys: Sequence[ChunkKey], until: float, tiers: Sequence[Tier]) -> None:
         try:

@@ -48,6 +48,7 @@ import errno
 import json
 import math
 import os
+import random
 import re
 import secrets
 import socket
@@ -66,14 +67,17 @@ BASE_FILE = ".usage"
 LEDGER_DIR = ".usage.d"
 BASE_MAX_BYTES = 64 << 10
 LEDGER_MAX_BYTES = 4096
-MAX_LEDGERS = 1024  # read per total: far more than a fleet's instances; a flood beyond is not read
+MAX_LEDGERS = 8192  # read per total: a fleet of 100 TP=8 engines is 900 processes; beyond, the freshest
 MAX_FOLDS_KEPT = 256  # folded ids the base remembers (idempotence of a fold a folder died in)
 FOLD_BATCH = 8  # ledgers folded per hold of ROOT/.lock
+FOLD_LOOK = 4 * FOLD_BATCH  # fold candidates examined per round (from a rotating start)
 STALE_S = 600.0  # a ledger whose heartbeat is older (and whose lock is free) is a dead instance's
 ORPHAN_AGE_S = 3600.0  # temp and lock files of .usage.d left this long by a crash are removed
 LIMIT = 1 << 62  # bytes beyond this are nonsense
 FUTURE_S = 86400.0  # a time further ahead than this is nonsense (clock skew is far less)
 _ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
+_LEDGER_ID = re.compile(r"[A-Za-z0-9_-]{1,40}-[0-9]{1,10}-[0-9a-f]{8}")
+"""What ``new_id`` makes: any other name in ``.usage.d`` was planted, and is never read."""
 
 
 @dataclass(frozen=True)
@@ -207,17 +211,27 @@ def read_entry(path: Path) -> Entry | None:
 
 
 def ledger_ids(root: Path) -> list[str]:
-    """Ids of the ledger files present, sorted, at most ``MAX_LEDGERS`` (none when ``.usage.d``
-    is not a real directory: a symlink planted there is not followed)."""
+    """Ids of the ledger files present, sorted (none when ``.usage.d`` is not a real directory: a
+    symlink planted there is not followed). Only names ``new_id`` can make count, so planted
+    names cost a listing entry, never a read; past ``MAX_LEDGERS`` such names, the most recently
+    written are kept (a live instance rewrites its ledger every heartbeat, a planted file never)."""
     folder = root / LEDGER_DIR
     try:
         if not stat.S_ISDIR(os.lstat(folder).st_mode):
             return []
-        names = [e.name for e in os.scandir(folder)]
+        entries = [e for e in os.scandir(folder) if e.name.endswith(".json") and _LEDGER_ID.fullmatch(e.name[:-5])]
     except OSError:
         return []
-    ids = sorted(n[:-5] for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5]))
-    return ids[:MAX_LEDGERS]
+    if len(entries) > MAX_LEDGERS:
+        entries = sorted(entries, key=_mtime, reverse=True)[:MAX_LEDGERS]
+    return sorted(e.name[:-5] for e in entries)
+
+
+def _mtime(entry: os.DirEntry[str]) -> float:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return -math.inf
 
 
 def read_ledgers(root: Path, previous: Usage | None = None) -> dict[str, Entry]:
@@ -375,8 +389,14 @@ def fold_dead(files: ChunkFiles, locks: PoolLocks, candidates: Sequence[str], no
     now = time.time() if now is None else now
     folder = files.root / LEDGER_DIR
     ready: list[tuple[str, Entry, int]] = []  # a dead instance's ledger, and its liveness lock (held)
+    order = list(candidates)
+    if order:  # a rotating start: candidates that cannot be folded (alive, locked) never starve the rest
+        start = random.randrange(len(order))
+        order = order[start:] + order[:start]
     try:
-        for ident in list(candidates)[:FOLD_BATCH]:
+        for ident in order[:FOLD_LOOK]:
+            if len(ready) == FOLD_BATCH:
+                break
             try:
                 entry = read_entry(folder / f"{ident}.json")
             except OSError:
