@@ -196,3 +196,11 @@ def test_serve_refuses_a_config_the_connector_would_not_run_before_vllm_starts(
     assert main(["serve", "--config", str(cfg), "--print-command", "--", "--model", "/m"]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"kvtier {__version__}"

@@ -124,3 +124,27 @@ def test_chunks_another_user_wrote_owner_only_are_a_fail() -> None:
     assert out.returncode == 0, out.stderr
     would_hit, failed = json.loads(out.stdout)
     assert not would_hit and "permissions" in failed
+
+
+def test_a_namespace_that_differs_only_in_the_weights_is_said_to(tmp_path: Path) -> None:
+    """6f37bba never compared the weights: "would hit" for a pool of another checkpoint's KV."""
+    from kvtier.identity import content_digest
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"a" * 8192)
+    pool = tmp_path / "pool"
+    fill(pool, model_id=str(model), model_digest="engine-digest", weights_digest=content_digest(model))
+    assert diagnose(pool, {"model": str(model), "chunk_tokens": 32}).would_hit
+    (model / "model.safetensors").write_bytes(b"b" * 8192)  # new weights behind the same path
+    report = diagnose(pool, {"model": str(model), "chunk_tokens": 32})
+    (ns,) = report.namespaces
+    assert not report.would_hit and list(ns.differs) == ["weights_digest"]
+    (finding,) = [f for f in report.findings if f.check == "namespace"]
+    assert "everything but the weights" in finding.detail
+    cli = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", str(pool), "--model", str(model),
+                          "--chunk-tokens", "32", "--json"], capture_output=True, text=True)
+    assert cli.returncode == 1 and json.loads(cli.stdout)["would_hit"] is False
+    by_digest = diagnose(pool, {"model": str(tmp_path / "elsewhere"), "model_digest": "other-digest"})
+    assert set(by_digest.namespaces[0].differs) == {"model", "model_digest"}

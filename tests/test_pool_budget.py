@@ -31,7 +31,8 @@ from kvtier.tiers import poollock as poollock_mod
 from kvtier.tiers.base import Status
 from kvtier.tiers.evict import Evictor
 from kvtier.tiers.files import ChunkFiles
-from kvtier.tiers.ledger import LEDGER_DIR, STALE_S, fold_dead, read_usage
+from kvtier.tiers.folds import fold_dead
+from kvtier.tiers.ledger import LEDGER_DIR, STALE_S, read_usage
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.poollock import PoolLocks
 
@@ -398,7 +399,9 @@ def test_two_evictors_without_a_lock_are_harmless(open_pool, pool_dir, monkeypat
     logged = (pool_dir / ".evicted").read_text().split()
     assert len(logged) == len(set(logged)) == len(removed)
     total = read_usage(pool_dir).total
-    assert total is not None and bytes_on_disk(pool_dir) - len(removed) * FILE <= total
+    # Low by at most what was removed; read so low that it adds up below zero, it is unknown (None:
+    # the evictor then counts the pool). Under CPU load the race reaches that about 1 run in 14.
+    assert total is None or bytes_on_disk(pool_dir) - len(removed) * FILE <= total
     admin.gc(pool_dir, 1 << 40)
     assert read_usage(pool_dir).total == bytes_on_disk(pool_dir)
 

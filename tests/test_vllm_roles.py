@@ -61,7 +61,8 @@ def vllm_config(tp: int = 1, pp: int = 1, policy: str = "recompute", extra: dict
                                         decode_context_parallel_size=1, rank=0),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout=None, block_size=BS),
         device_config=SimpleNamespace(device_type="cuda"), attention_config=None,
-        model_config=SimpleNamespace(model="tiny", get_total_num_kv_heads=lambda: HEADS * tp))
+        model_config=SimpleNamespace(model="tiny", get_total_num_kv_heads=lambda: HEADS * tp),
+        load_config=SimpleNamespace(load_format="dummy", download_dir=None))  # random weights: no files to identify
 
 
 # ---------------------------------------------------------------- configuration
@@ -223,6 +224,7 @@ def test_the_model_is_keyed_by_its_weights_not_its_path(tmp_path: Any) -> None:
     (model / "model.safetensors").write_bytes(bytes(weights))
     config = vllm_config()
     config.model_config = SimpleNamespace(model=str(model), revision=None, quantization=None, hf_config=None)
+    config.load_config = SimpleNamespace(load_format="auto", download_dir=None)
     first = model_digest(config)
     assert model_digest(config) == first and content_digest(model)
     weights[5 << 20] ^= 0xFF  # one byte in the middle, inside a sampled block? any retraining changes them all
@@ -236,6 +238,51 @@ def test_the_model_is_keyed_by_its_weights_not_its_path(tmp_path: Any) -> None:
     cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK})
     assert store_config(cfg, rest, config, dep, 0).namespace().digest != \
         store_config(cfg, rest, config, replace(dep, model_digest=first), 0).namespace().digest
+
+
+def _hf_snapshot(cache: Any, repo: str, files: dict[str, bytes]) -> Any:
+    """A Hugging Face cache holding ``repo`` at one commit, as a download leaves it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        (snapshot / name).write_bytes(data)
+    return snapshot
+
+
+def test_different_weights_under_download_dirs_never_share_keys_and_unknown_weights_skip_the_pool(
+        tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
+    """6f37bba looked the model up in the default HF cache, not vLLM's --download-dir: a
+    config-only snapshot there gave two different checkpoints one digest, without a word."""
+    import huggingface_hub.constants
+
+    from kvtier.identity import model_identity
+
+    config_json = b'{"hidden_size": 8}'
+    default_cache = tmp_path / "hf-default"
+    _hf_snapshot(default_cache, "org/m", {"config.json": config_json})  # what `AutoConfig` leaves behind
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(default_cache))
+    for name, weights in (("a", b"A" * 8192), ("b", b"B" * 8192)):
+        _hf_snapshot(tmp_path / name, "org/m", {"config.json": config_json, "model.safetensors": weights})
+    config = vllm_config()
+    config.model_config = SimpleNamespace(model="org/m", revision=None, quantization=None, hf_config=None)
+    digests = {}
+    for name in ("a", "b"):
+        config.load_config = SimpleNamespace(load_format="auto", download_dir=str(tmp_path / name))
+        digests[name] = model_identity(config)["weights"]
+    assert digests["a"] and digests["b"] and digests["a"] != digests["b"]
+    config.load_config = SimpleNamespace(load_format="auto", download_dir=None)  # only the config-only snapshot
+    assert model_identity(config)["weights"] == ""
+    dep = deployment(config, kv_config(full_spec()))
+    assert not dep.weights_known
+    cfg, rest = ConnectorConfig.split({"chunk_tokens": CHUNK, "pool_url": "fs:///mnt/pool", "disk_path": "/d"})
+    with caplog.at_level(logging.ERROR, logger="kvtier"):
+        store = store_config(cfg, rest, config, dep, 0)
+    assert store.pool_url is None and store.disk_path is not None
+    assert any("does not use the shared pool" in r.getMessage() for r in caplog.records)
 
 
 def test_each_tp_rank_gets_its_own_disk_directory(tmp_path: Any) -> None:

@@ -38,7 +38,8 @@ from kvtier.threads import executor
 from kvtier.tiers.evict import LOG_BATCH
 from kvtier.tiers.evictlog import EvictionLog
 from kvtier.tiers.files import MARKER, ChunkFiles
-from kvtier.tiers.ledger import anchor, fold_dead, read_usage, remove_orphans
+from kvtier.tiers.folds import anchor, fold_dead, remove_orphans
+from kvtier.tiers.ledger import read_usage
 from kvtier.tiers.listing import SCAN_THREADS, listed
 from kvtier.tiers.poollock import PoolLocks
 from kvtier.tiers.poolroot import init_pool, read_budget, set_budget

@@ -76,6 +76,8 @@ class StoreConfig:
     kv_format: str = "kvtier"
     model_digest: str = ""
     """The content of the model's weights (engine integrations set it: ``keys.Namespace``)."""
+    weights_digest: str = ""
+    """The weights' content alone, described beside the pool for ``kvtier doctor`` (not in keys)."""
     io_threads: int = 8
     write_threads: int = 1
     write_queue_chunks: int | None = None
@@ -162,7 +164,7 @@ class StoreConfig:
         """The namespace this store's keys are made in (``rank``: another parallel rank's)."""
         return Namespace(self.model_id, self.layout, self.chunk_tokens, self.rank if rank is None else rank,
                          self.world_size, self.tenant_salt, kv_format=self.kv_format,
-                         model_digest=self.model_digest)
+                         model_digest=self.model_digest, weights_digest=self.weights_digest)
 
     def __repr__(self) -> str:
         # Logged at start by engine integrations: secrets never reach a log line or a repr.

@@ -34,6 +34,7 @@ from blake3 import blake3
 from kvtier.admin import _open_regular, _read_header_and_close, open_existing
 from kvtier.fileio import TMP_SUFFIX
 from kvtier.format import ChunkFault
+from kvtier.identity import content_digest, has_weights
 from kvtier.keys import FORMAT_VERSION
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.tiers.ledger import read_usage
@@ -42,6 +43,8 @@ SKEW_WARN_S = 5.0
 UNREADABLE = "unreadable"  # sampled files this user may not read (their namespace is unknown)
 SHARD_DIRS = 256 * 256
 # kvtier.integrations.vllm.config.kv_format: ...-bs{block}-{cache dtype}-{page dtype}[-q{mode}]-{Spec}-page{n}[-tp{n}]
+WEIGHTS_FIELDS = ("weights_digest", "model_digest")
+"""Fields that differ when only the weights do (compared only where the pool records them)."""
 _VLLM_FORMAT = re.compile(r"^vllm-(?P<device>[^-]+)-.*-(?P<layout>[A-Z]{4,6}|unresolved)-bs(?P<block>\d+)"
                           r"-(?P<cache_dtype>[^-]+)-(?P<dtype>[^-]+?)(?:-q[^-]+)?-(?P<spec>\w+)-page(?P<page>\d+)"
                           r"(?:-tp(?P<tp>\d+))?$")
@@ -102,9 +105,11 @@ def stated_fields(settings: Mapping[str, Any]) -> dict[str, Any]:
         out["tensor_parallel_size"] = int(tp)
     if s.get("tenant_salt"):
         out["tenant"] = blake3(str(s["tenant_salt"]).encode()).hexdigest()[:16]
-    for key in ("num_layers", "num_kv_heads", "head_dim", "kv_format"):
+    for key in ("num_layers", "num_kv_heads", "head_dim", "kv_format", "model_digest"):
         if s.get(key) is not None:
             out[key] = s[key]
+    if model and os.path.isdir(str(model)) and has_weights(str(model)):
+        out["weights_digest"] = content_digest(str(model))
     return out
 
 
@@ -115,7 +120,8 @@ def namespace_fields(info: Mapping[str, Any]) -> dict[str, Any]:
     fmt = str(info.get("kv_format", "kvtier"))
     out: dict[str, Any] = {"model": info.get("model_id"), "chunk_tokens": info.get("chunk_tokens"),
                            "tenant": info.get("tenant", ""), "kv_format": fmt,
-                           "format_version": info.get("format_version"), "model_digest": info.get("model_digest", "")}
+                           "format_version": info.get("format_version"), "model_digest": info.get("model_digest", ""),
+                           "weights_digest": info.get("weights_digest", "")}
     engine = _VLLM_FORMAT.match(fmt)
     if engine is None:  # kvtier's own layout: the KV shape is the model's
         out.update(dtype=layout.get("dtype"), num_layers=layout.get("num_layers"),
@@ -133,6 +139,8 @@ def _differs(pool: Mapping[str, Any], stated: Mapping[str, Any]) -> dict[str, li
     out: dict[str, list[Any]] = {}
     for name, want in stated.items():
         have = pool.get(name)
+        if name in WEIGHTS_FIELDS and not have:
+            continue  # described before kvtier recorded it: unknown, not different
         if name == "tensor_parallel_size" and have == "any (head shards)":
             continue  # head shards are read at any TP size
         if name == "dtype" and have is not None and str(have).startswith(f"{want}_"):
@@ -167,9 +175,16 @@ def diagnose(path: str | os.PathLike[str], settings: Mapping[str, Any] | None = 
                                        "namespace is listed, none is compared"))
     elif not matching:
         closest = min(report.namespaces, key=lambda ns: len(ns.differs), default=None)
-        detail = "no namespace in the pool matches the config" + (
-            "" if closest is None else f"; the closest ({closest.digest[:16]}, {closest.chunks_seen} chunks seen) "
-            "differs in " + ", ".join(f"{k} (pool {v[0]!r}, config {v[1]!r})" for k, v in closest.differs.items()))
+        if closest is not None and set(closest.differs) <= set(WEIGHTS_FIELDS):
+            detail = (f"namespace {closest.digest[:16]} ({closest.chunks_seen} chunks seen) matches the config in "
+                      "everything but the weights: it holds KV of other weights served under this model name (a new "
+                      "checkpoint behind the same path, another download); an engine with these weights would not "
+                      "hit it")
+        else:
+            detail = "no namespace in the pool matches the config" + (
+                "" if closest is None else f"; the closest ({closest.digest[:16]}, {closest.chunks_seen} chunks "
+                "seen) differs in " + ", ".join(f"{k} (pool {v[0]!r}, config {v[1]!r})"
+                                                for k, v in closest.differs.items()))
         report.findings.append(Finding("namespace", "fail", detail))
     else:
         best = max(matching, key=lambda ns: ns.chunks_seen)

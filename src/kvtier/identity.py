@@ -92,16 +92,24 @@ def content_digest(root: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def _local_dir(model: str, revision: str | None) -> Path | None:
-    """The directory holding ``model``: itself, or its snapshot in the local Hugging Face cache."""
+def has_weights(root: str | os.PathLike[str]) -> bool:
+    """``root`` holds at least one weight file (``WEIGHT_SUFFIXES``), not only configs."""
+    return any(p.name.endswith(WEIGHT_SUFFIXES) for p in _content_files(Path(root)))
+
+
+def local_dir(model: str, revision: str | None, cache_dir: str | None = None) -> Path | None:
+    """The directory holding ``model``'s weights: itself, or its snapshot in the Hugging Face
+    cache the engine downloads to (``cache_dir``: vLLM's ``--download-dir``; None: the default
+    cache). A snapshot without weight files (a config-only download) is not the model: None."""
     if os.path.isdir(model):
         return Path(model)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+        root = Path(snapshot_download(model, revision=revision, local_files_only=True, cache_dir=cache_dir))
     except Exception:  # not cached here, no huggingface_hub, an offline error: name and revision only
         return None
+    return root if has_weights(root) else None
 
 
 def _default(value: Any) -> str:
@@ -139,17 +147,24 @@ def model_identity(vllm_config: Any) -> dict[str, str]:
         if os.path.isfile(str(mc.model)):  # a single-file checkpoint (GGUF)
             info["weights"] = blake3(_file_digest(Path(str(mc.model)))).hexdigest()
         else:
-            root = _local_dir(str(mc.model), getattr(mc, "revision", None))
-            info["weights"] = content_digest(root) if root is not None else ""
-        if not info["weights"]:
-            log.warning("kvtier: found no weight files of %s to identify its content; its KV is keyed by name, "
-                        "revision and config only (replace weights behind a path only with a new path)", mc.model)
+            root = local_dir(str(mc.model), getattr(mc, "revision", None), getattr(load, "download_dir", None))
+            info["weights"] = content_digest(root) if root is not None and has_weights(root) else ""
     return info
+
+
+def weights_identified(identity: dict[str, str]) -> bool:
+    """``model_identity`` found the weights' content (or they are generated: ``dummy``). When not,
+    two different checkpoints under one name would share keys: the integrations then keep the
+    model's KV out of the shared pool."""
+    return identity.get("load_format") == "dummy" or bool(identity.get("weights"))
 
 
 def model_digest(vllm_config: Any) -> str:
     """One hex digest of ``model_identity``."""
-    identity = model_identity(vllm_config)
+    return identity_digest(model_identity(vllm_config))
+
+
+def identity_digest(identity: dict[str, str]) -> str:
     return blake3(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 

@@ -59,10 +59,16 @@ class Namespace:
     """The content of the model's weights and config (``identity.py``): new
     weights behind the same ``model_id`` get a namespace of their own. Empty: not known (the
     field is then left out of the digest, so namespaces made without it keep theirs)."""
+    weights_digest: str = ""
+    """The weights' content alone (``identity.content_digest``), described beside the pool so that
+    ``kvtier doctor --model DIR`` can tell "other weights" from other differences. Descriptive
+    only: ``model_digest`` already keys the weights, so it is not in ``digest``."""
 
     def describe(self) -> dict[str, object]:
         """Canonical, human-readable fields (written beside pool data for `pool stats`)."""
         extra: dict[str, object] = {"model_digest": self.model_digest} if self.model_digest else {}
+        if self.weights_digest:
+            extra["weights_digest"] = self.weights_digest
         return {**extra,
             "format_version": self.format_version,
             "model_id": self.model_id,
@@ -78,6 +84,7 @@ class Namespace:
     @property
     def digest(self) -> bytes:
         fields = dict(self.describe(), tenant_salt=self.tenant_salt)
+        fields.pop("weights_digest", None)
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return blake3(b"kvtier-namespace\0" + canonical).digest()
 

@@ -26,7 +26,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("path", help="the pool directory (the PATH of fs://PATH) or a disk_path")
     p.add_argument("--config", help="a kvtier YAML file (as kvtier serve takes): its model_id, chunk_tokens, "
                                     "tenant_salt, dtype, layout fields and pool_bytes are compared")
-    p.add_argument("--model", help="the model as the engine names it (vLLM: its --model path or id)")
+    p.add_argument("--model", help="the model as the engine names it (vLLM: its --model path or id); a directory's "
+                                   "weights are compared with those the pool's namespaces record")
+    p.add_argument("--model-digest", help="the engine's model digest (the model_digest of a namespace "
+                                          "`kvtier pool stats --json` lists), compared as is")
     p.add_argument("--dtype", help="the KV cache's dtype, e.g. bfloat16")
     p.add_argument("--chunk-tokens", type=int, help="tokens per chunk (default of kvtier serve: 256)")
     p.add_argument("--tensor-parallel-size", type=int, help="the engine's TP size (matters only where shards "
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.doctor import diagnose
 
     settings: dict[str, Any] = read_settings_file(args.config) if args.config else {}
-    for key in ("model", "dtype", "chunk_tokens", "tensor_parallel_size"):
+    for key in ("model", "dtype", "chunk_tokens", "tensor_parallel_size", "model_digest"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     budget = args.pool_bytes

@@ -1,4 +1,4 @@
-"""``kvtier`` command line: probe, pool stats|verify|gc, doctor, serve, model make, bench, plan, demo.
+"""``kvtier`` command line: probe, pool init|budget|stats|verify|gc, doctor, serve, model make, bench, plan, demo.
 
 A command that takes ``--json`` (``kvtier COMMAND --help`` says; ``serve`` and ``bench
 report`` do not) then prints exactly one JSON object on stdout, an error included (progress
@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier import __version__
+
 COMMANDS = ("probe", "pool", "doctor", "serve", "model", "bench", "plan", "demo")
 """Each is a module ``kvtier.cli.<name>_cmd`` with ``add_parser(sub)`` and ``run(args) -> exit code``;
 one with actions may name ``SUBCOMMANDS`` and a ``DEFAULT_ACTION`` taken when none is given."""
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV-cache tiering for LLM engines: host DRAM, local disk and a shared pool.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _command(name).add_parser(sub)

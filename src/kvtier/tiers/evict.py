@@ -62,7 +62,8 @@ from kvtier.tiers.base import ChangeJournal
 from kvtier.tiers.evictlog import EvictionLog
 from kvtier.tiers.evictplan import SLACK, Plan, plan
 from kvtier.tiers.files import ChunkFile, ChunkFiles
-from kvtier.tiers.ledger import Ledger, Usage, anchor, fold_dead, read_usage, remove_orphans
+from kvtier.tiers.folds import anchor, fold_dead, remove_orphans
+from kvtier.tiers.ledger import Ledger, Usage, read_usage
 from kvtier.tiers.listing import SCAN_THREADS, listed
 from kvtier.tiers.poollock import Lease, PoolLocks
 

@@ -17,6 +17,7 @@ rechecks it from the header alone. A name that is not 64 hex characters (a sidec
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Any
 from blake3 import blake3
 
 from kvtier.config import StoreConfig, load_settings, read_settings_file
-from kvtier.identity import content_digest
+from kvtier.identity import content_digest, has_weights, local_dir
 from kvtier.keys import ChunkId, recompute_key
 from kvtier.layout import KVLayout
 
@@ -34,6 +35,9 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
 """Keys of the extra config that SGLang itself reads (its dynamic-backend loader)."""
+log = logging.getLogger(__name__)
+_warned_unidentified: set[str] = set()
+
 BACKEND_KEYS = ("config", "model_path", "metrics_port")
 """The backend's own settings; every other key is a ``StoreConfig`` setting."""
 SET_BY_SGLANG = ("model_id", "layout", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens",
@@ -167,14 +171,33 @@ def store_config(settings: BackendSettings, geometry: PageGeometry, parallel: Pa
     model_id = store.pop("model_id", None) or model_name
     if not model_id:
         raise ValueError("kvtier: SGLang gave no model name; set model_id in the extra config")
-    model_path = settings.model_path or (model_name if model_name and os.path.isdir(model_name) else None)
+    digest, weights = model_digests(settings.model_path or model_name)
     stage = ""
     if parallel.pp_size > 1:
         stage += f"-pp{parallel.pp_rank}of{parallel.pp_size}"
     if parallel.cp_size > 1:
         stage += f"-cp{parallel.cp_rank}of{parallel.cp_size}"
     rank, world = (0, 1) if parallel.replicated else (parallel.tp_rank, parallel.tp_size)
-    return load_settings(store, model_id=str(model_id), layout=geometry.layout, chunk_tokens=geometry.page_size,
-                         host_bytes=0, rank=rank, world_size=world,
-                         kv_format=f"sglang-{geometry.layout_name}{stage}",
-                         model_digest=content_digest(model_path) if model_path else "")
+    config = load_settings(store, model_id=str(model_id), layout=geometry.layout, chunk_tokens=geometry.page_size,
+                           host_bytes=0, rank=rank, world_size=world,
+                           kv_format=f"sglang-{geometry.layout_name}{stage}",
+                           model_digest=digest, weights_digest=weights)
+    if not weights and config.pool_url is not None and model_id not in _warned_unidentified:
+        _warned_unidentified.add(model_id)
+        log.warning("kvtier: found no weight files of %s (neither a directory nor a snapshot with weights in the "
+                    "Hugging Face cache): its pages are keyed by its name only, so another checkpoint served under "
+                    "this name would read them; set model_path in the extra config", model_id)
+    return config
+
+
+def model_digests(model: str | None) -> tuple[str, str]:
+    """(the namespace's ``model_digest``, the weights' content digest) of a model directory or an HF
+    id (its snapshot in the local cache; the snapshot's name, the resolved revision, is folded in);
+    ("", "") when no weights are found."""
+    root = local_dir(model, None) if model else None
+    if root is None or not has_weights(root):
+        return "", ""
+    weights = content_digest(root)
+    if model is not None and os.path.isdir(model):
+        return weights, weights  # a directory: as before, so its pools stay warm
+    return blake3(f"kvtier-sglang-hf\0{root.name}\0{weights}".encode()).hexdigest(), weights

@@ -11,6 +11,7 @@ start, with a ``ValueError`` that names the setting and the fix (``UnsupportedDe
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ from kvtier.layout import KVLayout
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
 
 LOAD_POLICIES = ("auto", "always", "never")
 LOAD_MODES = ("auto", "async", "sync")
@@ -280,6 +283,11 @@ class Deployment:
     layer_names: tuple[str, ...] = ()
     model_digest: str = ""
     """The content of the model's weights and config (``identity.model_digest``): in every key."""
+    weights_digest: str = ""
+    """The weights' content alone (described beside the pool, for ``kvtier doctor``)."""
+    weights_known: bool = True
+    """``identity.weights_identified``: when False the pool is not used (two checkpoints under one
+    name would share keys)."""
     dp_rank: int = 0
     dp_size: int = 1
     """This engine's data-parallel index among ``dp_size`` engines (each has its own disk tier)."""
@@ -356,12 +364,14 @@ def deployment(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -
     fmt = kv_format(vllm_config, spec, layout, page_bytes // sharding.rank_shards)
     if not sharding.by_heads:
         fmt += f"-tp{tp}"
-    from kvtier.identity import model_digest
+    from kvtier.identity import identity_digest, model_identity, weights_identified
 
     dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
     dp_rank = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0) if dp_size > 1 else 0
+    identity = model_identity(vllm_config)
     return Deployment(spec.block_size, len(groups[0].layer_names), page_bytes, sharding, fmt,
-                      tuple(groups[0].layer_names), model_digest(vllm_config), dp_rank, dp_size)
+                      tuple(groups[0].layer_names), identity_digest(identity), identity.get("weights", ""),
+                      weights_identified(identity), dp_rank, dp_size)
 
 
 def sharding_of(vllm_config: VllmConfig, spec: Any, tp: int) -> Sharding:
@@ -434,6 +444,18 @@ def kv_format(vllm_config: VllmConfig, spec: Any, layout: str, page_bytes: int) 
             f"-{type(spec).__name__}-page{page_bytes}")
 
 
+_said_unidentified: set[str] = set()
+
+
+def _unidentified(model: str) -> None:
+    if model not in _said_unidentified:
+        _said_unidentified.add(model)
+        log.error("kvtier: found no weight files of %s (searched the model path, or its snapshot in vLLM's "
+                  "--download-dir / the Hugging Face cache): another checkpoint under this name would read its KV, "
+                  "so this engine does not use the shared pool (pool_url ignored; host and disk tiers stay). "
+                  "Serve the model from a local directory to share it.", model)
+
+
 def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_config: VllmConfig,
                  dep: Deployment, rank: int | None) -> StoreConfig:
     """The store of tensor-parallel ``rank`` (its own disk directory; keys in one logical namespace).
@@ -450,7 +472,10 @@ def store_config(connector: ConnectorConfig, settings: Mapping[str, Any], vllm_c
     # Head shards are the same at any tensor-parallel size: their namespace does not name it.
     world_size = 1 if dep.sharding.by_heads else dep.sharding.world_size
     config = load_settings(base, **settings, layout=dep.layout, rank=0, world_size=world_size,
-                           kv_format=dep.kv_format, model_digest=dep.model_digest)
+                           kv_format=dep.kv_format, model_digest=dep.model_digest, weights_digest=dep.weights_digest)
+    if not dep.weights_known and config.pool_url is not None:
+        _unidentified(vllm_config.model_config.model)
+        config = replace(config, pool_url=None)
     if config.chunk_tokens % dep.block_size:
         raise ValueError(f"kvtier setting chunk_tokens: {config.chunk_tokens} is not a multiple of vLLM's block "
                          f"size {dep.block_size}; use e.g. {dep.block_size * max(1, 256 // dep.block_size)}")
