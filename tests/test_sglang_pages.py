@@ -79,3 +79,24 @@ def test_a_pool_whose_pages_are_not_whole_chunks_is_refused() -> None:
     pool.get_data_page = lambda index, flat=True: torch.zeros(7, dtype=torch.float16)  # type: ignore[method-assign]
     with pytest.raises(ValueError, match="not supported"):
         PageGeometry.of(pool)
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_tensor_parallel_ranks_with_one_disk_path_open_their_own_directories(tmp_path, replicated) -> None:
+    """6f37bba gave every rank the same disk_path: the disk tier's exclusive lock failed every
+    rank but the first at start."""
+    from kvtier import TieredStore
+
+    geometry = PageGeometry.of(FakePool())
+    settings = BackendSettings.from_extra({"backend_name": "kvtier", "interface_v1": 1,
+                                           "disk_path": str(tmp_path / "disk")})
+    configs = [store_config(settings, geometry, Parallel(tp_rank=r, tp_size=2, replicated=replicated), "m")
+               for r in range(2)]
+    assert [c.disk_path for c in configs] == [str(tmp_path / "disk" / f"tp{r}-of-2") for r in range(2)]
+    stores = [TieredStore(c) for c in configs]  # both at once, each holding its directory's lock
+    try:
+        assert all([t.name for t in s.tiers] == ["disk"] for s in stores)
+    finally:
+        for s in stores:
+            s.close()
+    assert store_config(settings, geometry, Parallel(), "m").disk_path == str(tmp_path / "disk")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from blake3 import blake3
@@ -182,12 +182,28 @@ def store_config(settings: BackendSettings, geometry: PageGeometry, parallel: Pa
                            host_bytes=0, rank=rank, world_size=world,
                            kv_format=f"sglang-{geometry.layout_name}{stage}",
                            model_digest=digest, weights_digest=weights)
+    if config.disk_path is not None:
+        config = replace(config, disk_path=disk_path_of(config.disk_path, parallel))
     if not weights and config.pool_url is not None and model_id not in _warned_unidentified:
         _warned_unidentified.add(model_id)
         log.warning("kvtier: found no weight files of %s (neither a directory nor a snapshot with weights in the "
                     "Hugging Face cache): its pages are keyed by its name only, so another checkpoint served under "
                     "this name would read them; set model_path in the extra config", model_id)
     return config
+
+
+def disk_path_of(disk_path: str, parallel: Parallel) -> str:
+    """Each rank's own disk tier directory (a disk tier holds an exclusive lock on its directory, so
+    ranks sharing one failed at start on all but the first): ``tpR-of-N`` (``-ppS``, ``-cpC``
+    where those split the KV), as the vLLM connector names them."""
+    parts = []
+    if parallel.tp_size > 1:
+        parts.append(f"tp{parallel.tp_rank}-of-{parallel.tp_size}")
+    if parallel.pp_size > 1:
+        parts.append(f"pp{parallel.pp_rank}-of-{parallel.pp_size}")
+    if parallel.cp_size > 1:
+        parts.append(f"cp{parallel.cp_rank}-of-{parallel.cp_size}")
+    return os.path.join(disk_path, "-".join(parts)) if parts else disk_path
 
 
 def model_digests(model: str | None) -> tuple[str, str]:
