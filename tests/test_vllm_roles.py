@@ -654,6 +654,38 @@ def test_a_slow_lookup_answers_not_yet_then_gives_up_after_lookup_timeout_s(tmp_
     assert 0.2 <= time.monotonic() - t0 < 1.0 and counters["lookup_timeouts"] == 1
 
 
+def test_abandoned_lookups_are_cancelled_so_a_burst_never_starves_the_next_request(tmp_path: Any) -> None:
+    """6f37bba kept every queued lookup: with a pool at 0.15 s per lookup, a burst of 40 left 30
+    queued, and the next lone request timed out behind them (0% hits, +2 s TTFT)."""
+    slow = {"pool": {"delay_prob": 1.0, "min_delay_s": 0.15, "max_delay_s": 0.15, "ops": ["lookup"]}}
+    role, counters = make_scheduler(extra={"pool_url": new_pool(tmp_path), "lookup_timeout_s": 0.5,
+                                           "inject_faults": slow, "tier_cooldown_s": 60})
+    try:
+        burst = [request(f"b{i}", list(range(1000 * i, 1000 * i + 2 * CHUNK + 1))) for i in range(40)]
+        for req in burst:
+            assert role.get_num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(0.6)  # all past lookup_timeout_s: each is scheduled without a hit
+        for req in burst:
+            assert role.get_num_new_matched_tokens(req, 0) == (0, False)
+        # Two lookup threads ran 4-8 lookups; the first timeouts tripped the pool, so the lookups
+        # still queued then answered at once without it; the rest were cancelled unrun.
+        timeouts = counters["lookup_timeouts"]
+        assert 3 <= timeouts <= 40 and counters["cancelled_lookups"] >= 20
+        assert role.lookups.queued == 0
+        assert not role.guard.usable(role.views.pool)
+        lone = request("lone", list(range(90_000, 90_000 + 2 * CHUNK + 1)))
+        t0 = time.monotonic()
+        assert ask(role, lone) == (0, False) and time.monotonic() - t0 < 0.5  # answered, not timed out
+        assert counters["lookup_timeouts"] == timeouts
+        # Finished requests cancel theirs too; at most MAX_QUEUED wait at once.
+        for i in range(80):
+            role.get_num_new_matched_tokens(request(f"q{i}", list(range(200_000 + 1000 * i,
+                                                                         200_000 + 1000 * i + 2 * CHUNK + 1))), 0)
+        assert role.lookups.queued <= 64
+    finally:
+        role.close()
+
+
 def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """While others run, the call that starts a lookup waits for it briefly (a local lookup
     answers in that call: no engine step lost); later calls for a lookup still pending do not

@@ -44,16 +44,17 @@ class TierGuard:
         until = self._until.get(tier.name)
         return until is None or time.monotonic() >= until
 
-    def trip(self, tier: Level, what: str) -> None:
-        """Take ``tier`` out of service for ``cooldown_s`` (it just timed out doing ``what``)."""
+    def trip(self, tier: Level, what: str, why: str | None = None) -> None:
+        """Take ``tier`` out of service for ``cooldown_s`` (it just timed out doing ``what``;
+        ``why``: another reason, said as is)."""
         with self._lock:
             fresh = not (tier.name in self._until and time.monotonic() < self._until[tier.name])
             self._until[tier.name] = time.monotonic() + self.cooldown_s
         tier.metrics.add(timeouts=1)
         if fresh:
-            log.warning("kvtier: the %s tier did not answer a %s within read_timeout_s=%s; skipping it "
-                        "for tier_cooldown_s=%s (those chunks are recomputed)", tier.name, what,
-                        self.timeout_s, self.cooldown_s)
+            why = why or f"did not answer a {what} within read_timeout_s={self.timeout_s}"
+            log.warning("kvtier: the %s tier %s; skipping it for tier_cooldown_s=%s (those chunks are "
+                        "recomputed)", tier.name, why, self.cooldown_s)
 
     def lookup(self, tier: Level, ids: Sequence[ChunkId]) -> int:
         """``tier.lookup(ids)``, bounded by the timeout for tiers that may hang; 0 if tripped, or

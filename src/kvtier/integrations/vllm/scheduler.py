@@ -71,6 +71,7 @@ from kvtier.integrations.vllm.counters import count, new_counters
 from kvtier.integrations.vllm.decide import LoadDecision
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.lookup import RankTiers
+from kvtier.integrations.vllm.lookups import LookupQueue
 from kvtier.integrations.vllm.params import RequestParams
 from kvtier.integrations.vllm.prefix import PrefixFinder
 from kvtier.integrations.vllm.profile import Profiler
@@ -82,7 +83,6 @@ from kvtier.integrations.vllm.stats import LOOKUP_FIELDS, flatten
 from kvtier.integrations.vllm.views import request_extra
 from kvtier.keys import ChunkId, Namespace, chunk_ids, tail_step
 from kvtier.policy import Rates
-from kvtier.threads import executor
 from kvtier.tiers.base import Level, Tier
 from kvtier.tiers.guard import TierGuard
 
@@ -93,7 +93,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOOKUP_THREADS = 2
 LOOKUP_IDLE_WAIT_S = 0.025
 """While the engine is idle, the longest the scheduler waits for lookups in one scheduling pass
 (all its calls together) before answering "not yet". Idle, the wait stalls no running request,
@@ -127,7 +126,6 @@ class SchedulerRole:
         self._requests: dict[str, RequestState] = {}
         self._idle = True  # the last step scheduled no tokens
         self._idle_wait_left = LOOKUP_IDLE_WAIT_S  # of this scheduling pass (reset by build_connector_meta)
-        self._lookups = executor(LOOKUP_THREADS, "kvtier-lookup")
         self._background_loads: list[Load] = []  # allocated this step, sent with the next metadata
         self._finishing: list[Save] = []  # saves of finished requests whose blocks vLLM holds for us
         self.guard = TierGuard(store_config.read_timeout_s, store_config.tier_cooldown_s)
@@ -136,6 +134,7 @@ class SchedulerRole:
         self.probe = RateProbe(self.rates, store_config.chunk_bytes + (1 << 20))  # header and padding: < 1 MiB
         self.prefix = PrefixFinder(self.views, dep, self.chunk_tokens, tail_tokens, self.rates, self.probe,
                                    timed_reads=connector_config.load_mode == "auto")
+        self.lookups = LookupQueue(self.prefix.find, self.guard, lambda: self.views.pool, self.counters)
         self.decide = LoadDecision(connector_config, self.rates, self.chunk_tokens,
                                    store_config.chunk_bytes * dep.sharding.rank_shards)
         self.saves = SavePlanner(self.chunk_tokens, self.block_size, tail_tokens, self.counters, events)
@@ -205,7 +204,10 @@ class SchedulerRole:
         lookup = state.lookup
         fresh = lookup is None or lookup.first > first
         if lookup is None or fresh:
+            self.lookups.abandon(lookup)  # vLLM's own hit shrank below it: it looks from too far on
             lookup = self._start_lookup(state, first)
+            if lookup is None:
+                return 0, False  # too many lookups wait already (counted)
         self._wait(lookup, fresh)
         if not lookup.future.done():
             if time.monotonic() - lookup.started < self.connector_config.lookup_timeout_s:
@@ -214,8 +216,12 @@ class SchedulerRole:
             self._decided(lookup, "timeout", state)
             log.warning("kvtier: lookup of %s took over %.1f s (lookup_timeout_s); scheduled without a hit",
                         request.request_id, self.connector_config.lookup_timeout_s)
+            self.lookups.timed_out()
+            self.lookups.abandon(lookup)
             state.lookup = None
             return 0, False
+        if not lookup.decided:
+            self.lookups.answered()
         tail: Tail | None = None
         try:
             located, tail = lookup.future.result()
@@ -248,13 +254,12 @@ class SchedulerRole:
         state.background = self.decide.in_background(chunk_tiers, num_computed_tokens, end, self._idle)
         return ext, state.background
 
-    def _start_lookup(self, state: RequestState, first: int) -> PendingLookup:
+    def _start_lookup(self, state: RequestState, first: int) -> PendingLookup | None:
         """The request's lookup of chunks ``first..``, on a lookup thread (``PrefixFinder.find``)."""
-        future = self._lookups.submit(self.prefix.find, state, first)
-        lookup = state.lookup = PendingLookup(first, time.monotonic(), future)
-        if state.profile is not None:
+        lookup = state.lookup = self.lookups.start(state, first)
+        if lookup is not None and state.profile is not None:
             state.profile.lookup_started, state.profile.lookup_done = lookup.started, None
-            future.add_done_callback(lookup.mark_done)
+            lookup.future.add_done_callback(lookup.mark_done)
         return lookup
 
     def _wait(self, lookup: PendingLookup, fresh: bool) -> None:
@@ -355,7 +360,8 @@ class SchedulerRole:
             self._scheduled(meta, req_id, state, blocks, cached.num_computed_tokens[i], scheduled.get(req_id, 0),
                             req_id in resumed)
         for req_id in scheduler_output.finished_req_ids:
-            self._requests.pop(req_id, None)
+            gone = self._requests.pop(req_id, None)
+            self.lookups.abandon(gone.lookup if gone is not None else None)
             if self.profiler is not None:
                 self.profiler.finished(req_id)
         return meta
@@ -410,6 +416,7 @@ class SchedulerRole:
         first. Only tokens whose KV was computed are saved (the last sampled token has none).
         """
         state = self._requests.pop(request.request_id, None)
+        self.lookups.abandon(state.lookup if state is not None else None)
         if state is None or state.namespace is None or state.loading or state.unverified or self.disabled \
                 or not self.connector_config.save_decode:
             return False  # (a request aborted while loading: its blocks are the load's until it ends)
@@ -487,7 +494,7 @@ class SchedulerRole:
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.close()
-        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.lookups.shutdown()
         self.probe.close()
         self.guard.close()
         self.views.close()
