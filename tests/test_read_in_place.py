@@ -8,6 +8,7 @@ checked against the chunk; every way a read can fail leaves a result the caller 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import time
@@ -166,13 +167,52 @@ def test_pages_of_the_wrong_size_are_a_bug_not_a_read(open_pool, tiny):
     assert target.entered == 0
 
 
+def test_no_read_inside_the_gate_waits_for_a_device(open_pool, tiny, monkeypatch):
+    """6f37bba read in place with a plain preadv: a page reclaimed between the cache check and
+    the read was read from the device inside the gate, where read_timeout_s does not bound it
+    (an injected 3 s stall took 3.0 s against 0.3 s). Now every read there asks RWF_NOWAIT; a
+    page not cached fails it, and the file is read outside the gate."""
+    pool, a, _ = _stored(open_pool, tiny)
+    if not reads_mod._NOWAIT:
+        pytest.skip("no RWF_NOWAIT here: reads in place are off")
+    target = _Target(tiny.payload_bytes)
+    inside = {"now": False}
+    waited_inside: list[int] = []
+    enter, leave = target.enter, target.leave
+
+    def gated_enter() -> bool:
+        inside["now"] = True
+        return enter()
+
+    def gated_leave() -> None:
+        inside["now"] = False
+        leave()
+
+    real = os.preadv
+
+    def evicted(fd, buffers, offset, flags=0):  # the cache dropped the file after cachestat looked
+        if inside["now"] and not flags & os.RWF_NOWAIT:
+            waited_inside.append(offset)
+        if flags & os.RWF_NOWAIT:
+            raise BlockingIOError(errno.EAGAIN, "would block")
+        time.sleep(0.05)  # a device read
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(reads_mod.os, "preadv", evicted)
+    got = pool.load(a.id, tiny.spec(), pages=Pages(target.pages().views, gated_enter, gated_leave))
+    assert waited_inside == []
+    assert got.status is Status.HIT and not got.in_place and got.chunk is not None
+    assert bytes(got.chunk.payload()) == bytes(a.payload())  # read whole, outside the gate
+    assert (target.entered, target.left) == (1, 1)
+
+
 def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, monkeypatch):
     pool, a, _ = _stored(open_pool, tiny)
     monkeypatch.setattr(reads_mod, "_IOV_MAX", 2)  # the header and one piece per preadv
     real = os.preadv
     calls: list[int] = []
 
-    def short(fd, buffers, offset):  # and each call delivers at most 100 bytes less than asked
+    def short(fd, buffers, offset, flags=0):  # and each call delivers at most 100 bytes less than asked
         calls.append(offset)
         want = sum(memoryview(b).nbytes for b in buffers)
         if want > 200:
@@ -184,8 +224,8 @@ def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, 
                     break
                 parts.append(memoryview(b)[:n])
                 head += n
-            return real(fd, parts, offset)
-        return real(fd, buffers, offset)
+            return real(fd, parts, offset, flags)
+        return real(fd, buffers, offset, flags)
 
     monkeypatch.setattr(reads_mod.os, "preadv", short)
     target = _Target(tiny.payload_bytes, pieces=7)

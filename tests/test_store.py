@@ -719,3 +719,21 @@ def test_retention_of_chunks_already_written_does_not_wait_behind_a_full_write_q
         time.sleep(0.01)
     assert path.stat().st_mtime == pytest.approx(until)
     stuck.set()
+
+
+def test_a_chunk_gone_from_the_named_tier_is_read_from_a_faster_one(make_store, tiny, tmp_path, bits_equal):
+    """6f37bba fell back only on the tiers below the one named: a tensor-parallel rank told the
+    pool (the slowest tier any rank found the chunk in) never tried its own disk, which held it
+    (0 of 2 chunks delivered)."""
+    pool_url = new_pool(tmp_path / "pool")
+    tokens, kv = tiny.tokens(2 * tiny.chunk_tokens), tiny.kv(2 * tiny.chunk_tokens)
+    writer = make_store(host_bytes=0, disk_path=str(tmp_path / "disk"))  # the rank's own disk only
+    writer.put(tokens, kv)
+    writer.close()
+    store = make_store(host_bytes=0, disk_path=str(tmp_path / "disk"), pool_url=pool_url)
+    ids = store.chunk_ids(tokens)
+    out = torch.empty_like(kv)
+    got = store.load_into(ids, lambda i, data: out[:, :, i * tiny.chunk_tokens:(i + 1) * tiny.chunk_tokens]
+                          .copy_(data), promote=False, tiers=["pool", "pool"])
+    assert got.num_chunks == 2 and list(got.chunk_tiers) == ["disk", "disk"]
+    bits_equal(out, kv)

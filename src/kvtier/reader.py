@@ -12,7 +12,8 @@ Contracts (the store's module docstring has the caller's view):
   cold device or a network filesystem overlap. Chunks in host DRAM are lent in place on the
   caller's thread.
 * Chunks are taken in order; a chunk gone from its tier (missing, corrupt, unreadable) is read
-  from each usable tier below in turn, again on that tier's threads. A read slower than
+  from each other usable tier in turn (those below it first, then those above), again on that
+  tier's threads. A read slower than
   ``read_timeout_s`` trips its tier in the store's ``TierGuard`` and ends the prefix; so do a
   chunk no tier delivers, an exception (recorded in ``Failures``) and a set ``stop`` event.
 * The sink is never called after ``load`` returns (``_SinkGate``), not even by a read that
@@ -189,7 +190,7 @@ class PrefixReader:
              sink: Sink, *, promote: bool, stop: threading.Event | None,
              place: Placement | None = None) -> PrefixLoad:
         """Hand chunks ``ids[i]`` to ``sink`` (or read them in place, ``place``) from ``located[i]``
-        (host DRAM or a tier: where a lookup found them), falling back on the ``tiers`` below;
+        (host DRAM or a tier: where a lookup found them), falling back on the other ``tiers``;
         what ``load_into`` returns."""
         n = len(located)
         load = _Load(ids, list(tiers), spec, sink, promote, stop, [0.0] * n, [0.0] * n, _SinkGate(), [False] * n,
@@ -286,9 +287,9 @@ class PrefixReader:
         None (not delivered: the prefix ends here).
 
         Where the lookup found it first; if it is gone from there (evicted, corrupt, an I/O
-        error), from each usable tier below in turn. Every tier read, fallbacks included, runs on
-        that tier's I/O threads under ``read_timeout_s``, and a timeout trips the tier that did
-        not answer.
+        error), from each other usable tier in turn, those below first. Every tier read,
+        fallbacks included, runs on that tier's I/O threads under ``read_timeout_s``, and a
+        timeout trips the tier that did not answer.
         """
         if located is self.host:
             assert self.host is not None
@@ -299,26 +300,28 @@ class PrefixReader:
                 finally:
                     lease.release()
                 return self.host.name
-            below = 0  # evicted since the lookup
+            start = 0  # evicted since the lookup
         else:
-            below = load.tiers.index(cast(Tier, located))
+            start = load.tiers.index(cast(Tier, located))
+        # Where it was found, the tiers below, then those above: a tensor-parallel rank is told
+        # the slowest tier any rank found a chunk in, and its own disk may hold what the pool lost.
+        order = [*load.tiers[start:], *load.tiers[:start]]
         tier: Level = located
-        fut = futures[i]
+        fut, k = futures[i], 0
         while True:
             if fut is None:
-                usable = [t for t in load.tiers[below:] if self._guard.usable(t)]
-                if not usable:
+                usable = next((j for j in range(k, len(order)) if self._guard.usable(order[j])), None)
+                if usable is None:
                     return None
-                tier = usable[0]
-                below = load.tiers.index(usable[0])
-                fut = futures[i] = self._submit(load, i, usable[0])
+                k, tier = usable, order[usable]
+                fut = futures[i] = self._submit(load, i, order[usable])
             try:
                 return self._await(fut, islice(futures, i + 1, None), load.stop)
             except cf.TimeoutError:
                 self._guard.trip(tier, f"read of chunk {i}")
                 return None
             except _Gone:
-                below += 1
+                k += 1
                 fut = None
 
     def _await(self, fut: cf.Future[str | None], later: Iterable[cf.Future[str | None] | None],

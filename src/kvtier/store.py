@@ -270,7 +270,7 @@ class TieredStore:
         boundary (within ``STOP_POLL_S``) and returns what was delivered until then.
         ``tiers``: where a lookup already found each chunk (tier names, as ``LookupResult.chunk_tiers``):
         no lookup is repeated; each chunk is read from host DRAM if it holds it, else from that
-        tier, and from the tiers below only when it is not there (at most ``len(tiers)`` chunks).
+        tier, and from the other tiers only when it is not there (at most ``len(tiers)`` chunks).
         ``place`` (with ``promote=False``): where chunks may be read straight into the caller's
         memory (``reader.Placement``); a chunk the disk tier or the pool serves from the page
         cache of a local filesystem lands there, validated, without a copy or a sink call, and

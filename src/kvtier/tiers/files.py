@@ -44,7 +44,7 @@ from kvtier.tiers.base import Chunk, LoadResult, Pages, Status, aligned_buffer
 from kvtier.tiers.listing import SUFFIX, ChunkFile
 from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
 from kvtier.tiers.presence import Presence
-from kvtier.tiers.reads import LoadEnded, fill, read_in_place
+from kvtier.tiers.reads import LoadEnded, NotCached, fill, read_in_place
 
 log = logging.getLogger(__name__)
 __all__ = ["MARKER", "SUFFIX", "ChunkFile", "ChunkFiles"]
@@ -257,7 +257,8 @@ class ChunkFiles:
         ``pages.views``) and validated there: the returned chunk is None, and ``into`` untouched.
         Only such reads go there: they are memory copies, so the caller's memory is held for
         microseconds, never for a device's or a server's answer. (A page evicted between the
-        check and the read is read from the device inside ``pages.enter``: rare, and one read.)
+        check and the read is not waited for there: ``RWF_NOWAIT`` fails, and the file is read
+        whole outside the gate, as a cold one.)
         """
         fd = self._open_read(path)
         try:
@@ -272,8 +273,11 @@ class ChunkFiles:
             from_cache = cached is not None and cached >= size
             direct = self._use_direct(fd, from_cache)
             if pages is not None and from_cache and self._local:
-                read_in_place(fd, size, spec, cid, pages)
-                return None, st.st_mtime, True
+                try:
+                    read_in_place(fd, size, spec, cid, pages)
+                    return None, st.st_mtime, True
+                except NotCached:  # dropped from the cache since the check: read it outside the gate
+                    from_cache, direct = False, self._use_direct(fd, False)
             buf = aligned_buffer(size) if into is None else into
             view = buf.data
             fill(fd, view, direct)

@@ -5,7 +5,10 @@ place, straight into a caller's pages (``tiers.base.Pages``), validated there.
 open but refuses at read (some FUSE and NFS setups) ends buffered. ``read_in_place`` reads the
 header into scratch memory and the payload into the caller's pages with ``preadv``, then checks
 header and checksum over the pieces, all between ``Pages.enter`` and ``leave``; a load that was
-over before the read raises ``LoadEnded`` and nothing is read.
+over before the read raises ``LoadEnded`` and nothing is read. Inside that gate no read waits
+for a device: each ``preadv`` there asks ``RWF_NOWAIT``, and a page the cache dropped since the
+caller checked raises ``NotCached`` (the caller then reads the file outside the gate), so the
+load's ``read_timeout_s`` bounds the wait as for any read.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ class LoadEnded(Exception):
     """``Pages.enter`` refused: the load the pages belong to is over."""
 
 
+class NotCached(Exception):
+    """The page cache no longer holds the whole file (or cannot say so without waiting): read it
+    outside the gate. What the read put in the pages is garbage the caller never uses."""
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
 def read_in_place(fd: int, size: int, spec: ChunkSpec, cid: ChunkId, pages: Pages) -> None:
     """Read a chunk file of ``size`` bytes: its header region into scratch memory, its payload
     into ``pages.views``, its padding into scratch; validate header and payload checksum there.
@@ -36,22 +47,30 @@ def read_in_place(fd: int, size: int, spec: ChunkSpec, cid: ChunkId, pages: Page
     buffers: list[memoryview] = [head, *pages.views]
     if pad:
         buffers.append(memoryview(bytearray(pad)))
+    if not _NOWAIT:
+        raise NotCached  # no way to read only what the cache holds: never risk a device read in the gate
     if not pages.enter():
         raise LoadEnded
     try:
-        _readv_all(fd, buffers)
+        _readv_all(fd, buffers, _NOWAIT)
         spec.decode_parts(head, pages.views, cid)
     finally:
         pages.leave()
 
 
-def _readv_all(fd: int, buffers: list[memoryview]) -> None:
-    """Fill ``buffers`` in order from the start of ``fd`` (``preadv``, ``_IOV_MAX`` at a time)."""
+def _readv_all(fd: int, buffers: list[memoryview], flags: int = 0) -> None:
+    """Fill ``buffers`` in order from the start of ``fd`` (``preadv``, ``_IOV_MAX`` at a time).
+    With ``RWF_NOWAIT`` in ``flags``, data not in the page cache raises ``NotCached``."""
     buffers = list(buffers)  # a partly filled one is replaced by its rest: not in the caller's list
     offset, total = 0, sum(b.nbytes for b in buffers)
     first = 0  # buffers[:first] are filled
     while offset < total:
-        n = os.preadv(fd, buffers[first:first + _IOV_MAX], offset)
+        try:
+            n = os.preadv(fd, buffers[first:first + _IOV_MAX], offset, flags)
+        except OSError as exc:
+            if flags and exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
+                raise NotCached from None
+            raise
         if n == 0:
             raise ChunkError(ChunkFault.TRUNCATED, f"short read: {offset} of {total} B")
         offset += n
