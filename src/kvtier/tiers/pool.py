@@ -37,11 +37,12 @@ before its unwritten bytes pass ``sync_bytes``, the pool holds at most
 however far eviction lags: the last instance to read the total saw each other's ledger as it
 is now, less at most ``sync_bytes`` each. (When one instance's writer threads keep more than
 ``sync_bytes`` in flight, e.g. chunks larger than it, that instance counts with its in-flight
-bytes instead.) With the defaults: budget x (1 + 1/16 + (instances - 1)/32), 1.16 x budget for
-four writing instances. Only processes that publish count in ``instances`` (a vLLM scheduler
-process never does: its ledger is always current), so a fleet of E engines at TP=N counts E x N:
-four TP=8 engines are 32 writers, budget x 2.03 with the defaults, and a pool's filesystem
-needs that headroom over its budget. Until a new pool (or one whose ``.usage`` was lost) has been counted once, the
+bytes instead.) Only processes that publish count in ``instances`` (a vLLM scheduler process
+never does: its ledger is always current), so a fleet of E engines at TP=N counts E x N. With
+the defaults (``sync_bytes`` = budget / 32, at most 256 MiB) that is budget x (17/16 + (instances
+- 1)/32) up to an 8 GiB budget (1.16 x for four writers), and budget x 17/16 + (instances - 1) x
+256 MiB above it: for 32 writers (four TP=8 engines) on a 100 TB pool, 106.25 TB + 7.75 GiB.
+The pool's filesystem needs that headroom over its budget (docs/operations.md, "Sizing"). Until a new pool (or one whose ``.usage`` was lost) has been counted once, the
 total is a sample's estimate. The ``chunks`` gauge is an estimate too (exact after a full pass).
 
 Retention (``retain``): a chunk kept for a session until a time gets that time as its mtime.
