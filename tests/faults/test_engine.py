@@ -1,7 +1,8 @@
 """The engine-level fault matrix at the CI scale (a real vLLM engine, CPU build).
 
 Faults: the pool's filesystem full / read-only / removed while serving (root only), every
-pool read hanging, tenants with other salts, two engines sharing a small pool with gc.
+pool read hanging, tenants with other salts, a pool that is not mounted, two engines sharing a
+small pool with gc.
 Each row must show every request served with the recompute's tokens; the asserts below add
 what each fault must (and must not) do to hits.
 """
@@ -16,7 +17,14 @@ if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 from faults.harness import SCALES, is_root
-from faults.harness.engine import Bench, hanging_pool, shared_pool_with_gc, storage_faults, tenant_isolation
+from faults.harness.engine import (
+    Bench,
+    hanging_pool,
+    shared_pool_with_gc,
+    storage_faults,
+    tenant_isolation,
+    unmounted_pool,
+)
 
 pytestmark = pytest.mark.engine  # starts vLLM engines: left out of the fast loop (-m "not engine")
 
@@ -77,3 +85,9 @@ def test_two_engines_and_gc_share_one_small_pool(bench: Bench) -> None:
     row.check()
     assert row.extra["verify_bad"] == 0
     assert row.extra["hits"] > 0
+
+
+def test_a_pool_that_is_not_mounted_is_refused_said_and_never_created(bench: Bench) -> None:
+    (row,) = unmounted_pool(bench)
+    row.check()
+    assert row.extra["hits"] == 0 and row.extra["said"] >= 1 and row.extra["created"] is False

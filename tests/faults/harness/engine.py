@@ -256,6 +256,28 @@ def storage_faults(bench: Bench, workdir: Path) -> list[FaultRow]:
     return rows[1:] + rows[:1]
 
 
+# -- a pool that is not there -------------------------------------------------------------------
+
+
+def unmounted_pool(bench: Bench) -> list[FaultRow]:
+    """The pool's share is not mounted yet (its directory is missing): the engine says so, serves
+    every request by recomputing, and creates nothing where the mount should be. (Before
+    ``kvtier pool init`` existed, it made a private pool there on the root disk, silently.)"""
+    missing = bench.workdir / "not-mounted" / "pool"
+    group = list(range(min(4, len(bench.prompts))))
+    plan = [{"p": i, "tag": "new"} for i in group] + [{"reset": True}] + [{"p": i, "tag": "again"} for i in group]
+    run = bench.run("unmounted", bench.base("unmounted", pool_url=f"fs://{missing}", host_bytes=0), plan)
+    if run.rc != 0:
+        return [_crashed("pool not mounted (its directory missing)", run, len(plan))]
+    log = (bench.workdir / "unmounted.log").read_text(errors="replace")
+    said = sum(1 for line in log.splitlines() if "kvtier pool init" in line)
+    created = (bench.workdir / "not-mounted").exists()
+    hits = _hits(run.results)
+    return [_row(bench, "pool not mounted (its directory missing)", 1, run.results, run,
+                 f"hits {hits}; error lines naming `kvtier pool init`: {said}; directory created: {created}",
+                 hits=hits, said=said, created=created)]
+
+
 # -- a pool that hangs ---------------------------------------------------------------------------
 
 
@@ -395,6 +417,7 @@ def engine_matrix(scale: Scale, workdir: Path) -> list[FaultRow]:
     rows += hanging_pool(bench, ("load",))
     rows += hanging_pool(bench, ("lookup", "load"))
     rows += tenant_isolation(bench)
+    rows += unmounted_pool(bench)
     rows += shared_pool_with_gc(bench, scale.engine_minutes)
     return rows
 
