@@ -25,10 +25,10 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 sys.path.insert(0, str(Path(__file__).parent))
 import _hicache as hc
 
-from _pool import new_pool
 from kvtier.integrations.sglang import KVTierHiCacheStorage
 from kvtier.integrations.sglang.backend import copy_page
 from kvtier.integrations.sglang.pages import page_chunk_id
+from kvtier.tiers.poolroot import scratch_pool as new_pool
 
 HELPER = str(Path(__file__).parent / "_hicache.py")
 
@@ -269,7 +269,7 @@ def test_settings_sglang_decides_are_refused_and_secrets_come_from_the_file(tmp_
     with pytest.raises(ValueError, match="chunk_tokens"):
         StorageBackendFactory.create_backend("dynamic", storage_config({"chunk_tokens": 256}), host)
     cfg = tmp_path / "kvtier.yaml"
-    cfg.write_text(f"pool_url: fs://{tmp_path / 'pool'}\ntenant_salt: ${{TEST_SALT}}\n")
+    cfg.write_text(f"pool_url: {new_pool(tmp_path / 'pool')}\ntenant_salt: ${{TEST_SALT}}\n")
     monkeypatch.setenv("TEST_SALT", "s3cret-salt")
     b = StorageBackendFactory.create_backend("dynamic", storage_config({"config": str(cfg)}), host)
     b.register_mem_pool_host(host)

@@ -126,7 +126,7 @@ def test_a_hostile_client_and_config_secrets_against_a_real_kvtier_serve(model: 
     pool = tmp_path / "pool"
     cfg = tmp_path / "kvtier.yaml"
     # A literal secret in the file and one read from the environment by the connector.
-    cfg.write_text(f"pool_url: fs://{pool}\nchunk_tokens: {CHUNK}\nhost_bytes: 64MiB\n"
+    cfg.write_text(f"pool_url: {new_pool(pool)}\nchunk_tokens: {CHUNK}\nhost_bytes: 64MiB\n"
                    f"tenant_salt: {SALT}\nredis_password: ${{TEST_KVTIER_REDIS_PASSWORD}}\n")
     port = free_port()
     argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(cfg), "--", "--model", str(model),
