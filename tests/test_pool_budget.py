@@ -552,3 +552,20 @@ def test_gc_is_exact_and_re_anchors_the_count(pool_dir, tiny, monkeypatch):
     assert admin.gc(pool_dir, FILE).evicted_chunks == 4
     assert {f.key for f in ChunkFiles(pool_dir, create=False).scan()} == {chunks[1].id.key}
 
+
+
+def test_a_sampled_chunk_hit_or_retained_since_the_sample_is_kept(open_pool, pool_dir):
+    """6f37bba unlinked the round's sampled victims without looking again: a chunk hit (its mtime
+    refreshed) or retained (mtime in the future) after the sample was listed was evicted."""
+    paths = _sparse_pool(pool_dir, 6, seed=3)
+    pool = open_pool()
+    shards = sorted({str(p.parent.relative_to(pool_dir)) for p in paths})
+    for shard in shards:
+        found = pool.files.scan_shard(shard)  # the sample, listed before the sweep
+        kept = found[0].path
+        later = time.time() + 3600
+        os.utime(kept, (later, later))  # retained since the listing
+        _, outcomes = pool.evictor._visit(shard, found, lambda f: True)
+        assert kept.exists() and 0 not in outcomes
+        assert all(outcomes[i] is True for i in range(1, len(found)))
+        assert not any(f.path.exists() for f in found[1:])

@@ -435,10 +435,21 @@ class Evictor:
     def _visit(self, shard: str, found: list[ChunkFile] | None, doom: Doom | None) -> Visit:
         """List ``shard`` (unless ``found``) and unlink what ``doom`` picks: its chunk files, and
         the outcome of each unlink by index (see ``_unlink``). Runs on a scan thread."""
+        earlier = found is not None  # the round's sample: listed a while ago
         if found is None:
             found = self.files.scan_shard(shard)
-        outcomes = {i: self._unlink(f) for i, f in enumerate(found) if doom is not None and doom(f)}
+        outcomes = {i: self._unlink(f) for i, f in enumerate(found)
+                    if doom is not None and doom(f) and (not earlier or self._unchanged(f))}
         return found, outcomes
+
+    @staticmethod
+    def _unchanged(f: ChunkFile) -> bool:
+        """A file listed earlier was neither hit nor retained since (its mtime, looked at again):
+        one that was is kept. (A file gone meanwhile counts as unchanged: its unlink says so.)"""
+        try:
+            return os.lstat(f.path).st_mtime <= f.mtime
+        except OSError:
+            return True
 
     def _unlink(self, f: ChunkFile) -> bool | None:
         """True: removed; False: already gone (someone else's eviction); None: cannot be removed

@@ -42,8 +42,9 @@ never does: its ledger is always current), so a fleet of E engines at TP=N count
 the defaults (``sync_bytes`` = budget / 32, at most 256 MiB) that is budget x (17/16 + (instances
 - 1)/32) up to an 8 GiB budget (1.16 x for four writers), and budget x 17/16 + (instances - 1) x
 256 MiB above it: for 32 writers (four TP=8 engines) on a 100 TB pool, 106.25 TB + 7.75 GiB.
-The pool's filesystem needs that headroom over its budget (docs/operations.md, "Sizing"). Until a new pool (or one whose ``.usage`` was lost) has been counted once, the
-total is a sample's estimate. The ``chunks`` gauge is an estimate too (exact after a full pass).
+The pool's filesystem needs that headroom over its budget (docs/operations.md, "Sizing").
+Until a new pool (or one whose ``.usage`` was lost) has been counted once, the total is a
+sample's estimate. The ``chunks`` gauge is an estimate too (exact after a full pass).
 
 Retention (``retain``): a chunk kept for a session until a time gets that time as its mtime.
 LRU order then evicts every unretained chunk before it, across instances and by ``kvtier pool
