@@ -99,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             emit_json(asdict(st))
             return 0
-        out.print(f"[bold]{st.path}[/]: {st.chunks} chunks, {_gib(st.bytes)}, oldest {_age(st.oldest_age_s)} "
-                  f"ago, newest {_age(st.newest_age_s)} ago, {st.temp_files} temp files")
+        budget = _gib(st.budget_bytes) if st.budget_bytes is not None else "none recorded"
+        out.print(f"[bold]{st.path}[/]: {st.chunks} chunks, {_gib(st.bytes)} (budget {budget}), oldest "
+                  f"{_age(st.oldest_age_s)} ago, newest {_age(st.newest_age_s)} ago, {st.temp_files} temp files")
         table = Table("namespace", "model", "layout", "chunk tokens", "chunks", "bytes")
         for ns, info in sorted(st.namespaces.items()):
             layout = info.get("layout", {})
