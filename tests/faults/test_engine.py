@@ -32,10 +32,8 @@ SCALE = SCALES["ci"]
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> Bench:
-    b = Bench(tmp_path_factory.mktemp("engine-faults"), SCALE.engine_prompts)
-    b.reference()
-    return b
+def bench(engine_bench: Bench) -> Bench:
+    return engine_bench
 
 
 @pytest.mark.root

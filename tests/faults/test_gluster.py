@@ -77,17 +77,8 @@ def test_four_processes_two_per_client_share_one_pool_beside_gc_on_the_first(glu
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    import os
-
-    if os.environ.get("KVTIER_REQUIRE_VLLM") != "1":
-        pytest.importorskip("vllm")
-    from .harness import SCALES
-    from .harness.engine import Bench
-
-    b = Bench(tmp_path_factory.mktemp("gluster-engines"), SCALES["ci"].engine_prompts)
-    b.reference()
-    return b
+def bench(engine_bench):  # type: ignore[no-untyped-def]
+    return engine_bench  # the local rows' (tests/faults/conftest.py): one reference run for both
 
 
 @pytest.mark.engine

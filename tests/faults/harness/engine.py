@@ -97,6 +97,8 @@ class Bench:
 
     def start(self, name: str, connector: dict[str, Any], plan: list[dict[str, Any]],
               loop_s: float | None = None) -> subprocess.Popen[str]:
+        for stale in (self.workdir / f"{name}.json", *self.workdir.glob(f"{name}.metrics.*.json")):
+            stale.unlink(missing_ok=True)  # an earlier run's, under the same name: never read as this one's
         spec = {"model": str(self.model), "out": str(self.workdir / f"{name}.json"), "prompts": self.prompts,
                 "connector": connector, "plan": plan, "loop_s": loop_s, "max_model_len": 8192}
         path = self.workdir / f"{name}.spec.json"
