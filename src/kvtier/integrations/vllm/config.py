@@ -103,9 +103,11 @@ class ConnectorConfig:
     """Server-wide default session retention: every request's chunks are kept in the disk tier
     and the pool ahead of unretained ones for this long after its last save or hit (0: none). A
     request sets its own with ``kv_transfer_params: {"kvtier": {"retain_s": 1800}}``."""
-    max_retain_s: float = 7 * 86400.0
+    max_retain_s: float = 3600.0
     """The longest retention a request may ask for (its ``retain_s`` is clamped to this); a value
-    that is not a finite number >= 0 is ignored. Both are counted (``rejected_params``)."""
+    that is not a finite number >= 0 is ignored. Both are counted (``rejected_params``). One hour
+    by default: any API client can ask, and what it retains is evicted after everything else, so
+    an operator who trusts clients with longer sessions raises it."""
     trust_mm_identifiers: bool = False
     """Multimodal inputs are keyed by a digest of their processed data. When vLLM hands the
     engine an item without its data (a processor-cache hit), kvtier cannot check what the
