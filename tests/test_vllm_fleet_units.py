@@ -200,8 +200,8 @@ def test_retention_comes_from_the_request_else_the_server(params: Any, server: f
 
 
 def test_a_client_may_retain_for_an_hour_unless_the_operator_allows_more() -> None:
+    """6f37bba let any API client retain its session for 7 days by default."""
     from kvtier.integrations.vllm.config import ConnectorConfig
 
-    """6f37bba let any API client retain its session for 7 days by default."""
     assert ConnectorConfig().max_retain_s == 3600.0
     assert ConnectorConfig.split({"max_retain_s": 86400})[0].max_retain_s == 86400
