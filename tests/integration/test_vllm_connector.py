@@ -230,7 +230,7 @@ def test_full_disk_and_missing_pool_cost_recomputes_not_the_engine(model: Path, 
     try:
         got, metrics = run_engine(model, tmp_path, "broken-storage",
                                   {"host_bytes": 8 * (CHUNK * 2048 + 4096), "disk_path": str(small / "disk"),
-                                   "disk_bytes": "1GiB", "pool_url": new_pool(blocker / "pool")})
+                                   "disk_bytes": "1GiB", "pool_url": f"fs://{blocker / 'pool'}"})
     finally:
         subprocess.run(["umount", "-l", str(small)], capture_output=True)
     ref, _ = runs["reference"]
