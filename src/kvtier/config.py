@@ -244,12 +244,18 @@ def _coerce_env(name: str, raw: str) -> object:
             except ValueError:  # json.JSONDecodeError is one
                 raise ValueError(f"KVTIER_{name.upper()}: expected {expected}, got {raw!r}") from None
     if name in _BOOL_KEYS:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"KVTIER_{name.upper()}: expected true/false, got {raw!r}")
+        return parse_env_bool(f"KVTIER_{name.upper()}", raw)
     return raw
+
+
+def parse_env_bool(var: str, raw: str) -> bool:
+    """An environment variable's true/false (``1``/``0``, ``yes``/``no``, ``on``/``off``), or
+    ValueError naming ``var``."""
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{var}: expected true/false, got {raw!r}")
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

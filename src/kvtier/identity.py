@@ -100,15 +100,16 @@ def has_weights(root: str | os.PathLike[str]) -> bool:
 def local_dir(model: str, revision: str | None, cache_dir: str | None = None) -> Path | None:
     """The directory holding ``model``'s weights: itself, or its snapshot in the Hugging Face
     cache the engine downloads to (``cache_dir``: vLLM's ``--download-dir``; None: the default
-    cache). A snapshot without weight files (a config-only download) is not the model: None."""
+    cache). A directory without weight files (a config-only download) is not the model: None."""
     if os.path.isdir(model):
-        return Path(model)
-    try:
-        from huggingface_hub import snapshot_download
+        root = Path(model)
+    else:
+        try:
+            from huggingface_hub import snapshot_download
 
-        root = Path(snapshot_download(model, revision=revision, local_files_only=True, cache_dir=cache_dir))
-    except Exception:  # not cached here, no huggingface_hub, an offline error: name and revision only
-        return None
+            root = Path(snapshot_download(model, revision=revision, local_files_only=True, cache_dir=cache_dir))
+        except Exception:  # not cached here, no huggingface_hub, an offline error: name and revision only
+            return None
     return root if has_weights(root) else None
 
 
@@ -148,7 +149,7 @@ def model_identity(vllm_config: Any) -> dict[str, str]:
             info["weights"] = blake3(_file_digest(Path(str(mc.model)))).hexdigest()
         else:
             root = local_dir(str(mc.model), getattr(mc, "revision", None), getattr(load, "download_dir", None))
-            info["weights"] = content_digest(root) if root is not None and has_weights(root) else ""
+            info["weights"] = content_digest(root) if root is not None else ""
     return info
 
 

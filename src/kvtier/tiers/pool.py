@@ -86,11 +86,10 @@ from kvtier.tiers.evictlog import EVICTION_READ_MAX_BYTES, EvictionLog
 from kvtier.tiers.files import ChunkFiles
 from kvtier.tiers.ledger import Ledger, Usage, read_usage
 from kvtier.tiers.poollock import PoolLocks
-from kvtier.tiers.poolroot import BUDGET_REFRESH_S, check_pool_root, describe_at_open, read_budget
+from kvtier.tiers.poolroot import BUDGET_REFRESH_S, check_pool_root, describe_at_open, read_budget, warn_once
 from kvtier.urls import parse_pool_url
 
 log = logging.getLogger(__name__)
-_logged: set[tuple[str, str]] = set()
 
 TOUCH_INTERVAL_S = 60.0
 CAP_MARGIN = 16  # the cap is budget + max(budget // CAP_MARGIN, sync_bytes)
@@ -99,12 +98,6 @@ LEASE_WAIT_S = 10.0  # an explicit evict() waits this long for another evictor's
 SYNC_FAILED = "budget sync failed"
 __all__ = ["EVICTION_READ_MAX_BYTES", "LOW_WATERMARK", "PoolTier", "cap_bytes", "default_sync_bytes",
            "overshoot_bound", "parse_pool_url"]
-
-
-def _log_once(root: object, what: str, message: str, *args: object) -> None:
-    if (str(root), what) not in _logged:
-        _logged.add((str(root), what))
-        log.warning(message, *args)
 
 
 def default_sync_bytes(capacity_bytes: int | None) -> int:
@@ -151,7 +144,7 @@ class PoolTier(TierBase):
                                            f"{exc.strerror or exc}") from exc
         self.locks = PoolLocks(self.files, self.metrics)
         self.lock_works = self.locks.probe()
-        self.mount = describe_at_open(self.files.root)
+        describe_at_open(self.files.root)
         self.pool_budget = read_budget(self.files.root)
         self._budget_read_at = time.monotonic()
         self.capacity_bytes = self.pool_budget if self.pool_budget is not None else capacity_bytes
@@ -187,7 +180,7 @@ class PoolTier(TierBase):
         self.cap_bytes = min(caps) if caps else None
         if self.pool_budget is not None and self.own_bytes is not None and self.own_bytes != self.pool_budget:
             lowers = self.own_bytes < self.pool_budget
-            _log_once(self.files.root, f"budget-disagrees-{self.own_bytes}",
+            warn_once(str(self.files.root), f"budget-disagrees-{self.own_bytes}",
                       "kvtier pool %s: pool_bytes %d differs from the budget recorded in the pool (%d); the pool's "
                       "budget is the one eviction holds, and %s", self.files.root, self.own_bytes, self.pool_budget,
                       "this instance admits chunks only while the pool is within its own pool_bytes" if lowers

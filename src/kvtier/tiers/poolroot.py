@@ -29,7 +29,7 @@ from kvtier.tiers.files import MARKER, ChunkFiles
 
 log = logging.getLogger(__name__)
 __all__ = ["BUDGET_FILE", "BUDGET_REFRESH_S", "Mount", "check_pool_root", "describe_at_open", "expect_local",
-           "init_pool", "mount_of", "read_budget", "scratch_pool", "set_budget"]
+           "init_pool", "mount_of", "read_budget", "scratch_pool", "set_budget", "warn_once"]
 
 BUDGET_FILE = ".budget"
 BUDGET_READ_MAX = 4096  # a budget file is a few dozen bytes
@@ -37,7 +37,8 @@ BUDGET_REFRESH_S = 10.0
 _warned: set[tuple[str, str]] = set()
 
 
-def _warn_once(root: str, what: str, message: str, *args: object) -> None:
+def warn_once(root: str, what: str, message: str, *args: object) -> None:
+    """``log.warning`` once per pool ``root`` and ``what`` in this process."""
     if (root, what) not in _warned:
         _warned.add((root, what))
         log.warning(message, *args)
@@ -96,7 +97,7 @@ def read_budget(path: str | os.PathLike[str]) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        _warn_once(os.fspath(path), "budget-read", "kvtier pool %s: cannot read its budget (%s); "
+        warn_once(os.fspath(path), "budget-read", "kvtier pool %s: cannot read its budget (%s); "
                    "using this instance's pool_bytes", where, exc.strerror or exc)
         return None
     try:
@@ -105,7 +106,7 @@ def read_budget(path: str | os.PathLike[str]) -> int | None:
             return value
     except (ValueError, KeyError, TypeError):
         pass
-    _warn_once(os.fspath(path), "budget-bad", "kvtier pool %s: its budget file is not {\"max_bytes\": N}; "
+    warn_once(os.fspath(path), "budget-bad", "kvtier pool %s: its budget file is not {\"max_bytes\": N}; "
                "ignored (rewrite it with `kvtier pool budget PATH SIZE`)", where)
     return None
 
@@ -168,7 +169,7 @@ def describe_at_open(path: str | os.PathLike[str]) -> Mount | None:
     log.info("kvtier pool %s: %s filesystem %s mounted at %s, device %s", mount.path, mount.fstype,
              mount.source, mount.mount_point, mount.device)
     if mount.on_root_device:
-        _warn_once(mount.path, "root-device", "kvtier pool %s is on the same device (%s) as / : if it should be "
+        warn_once(mount.path, "root-device", "kvtier pool %s is on the same device (%s) as / : if it should be "
                    "a shared filesystem, it is not mounted there, and this instance shares nothing", mount.path,
                    mount.device)
     return mount

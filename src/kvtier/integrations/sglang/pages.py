@@ -26,7 +26,7 @@ from typing import Any
 from blake3 import blake3
 
 from kvtier.config import StoreConfig, load_settings, read_settings_file
-from kvtier.identity import content_digest, has_weights, local_dir
+from kvtier.identity import content_digest, local_dir
 from kvtier.keys import ChunkId, recompute_key
 from kvtier.layout import KVLayout
 
@@ -211,7 +211,7 @@ def model_digests(model: str | None) -> tuple[str, str]:
     id (its snapshot in the local cache; the snapshot's name, the resolved revision, is folded in);
     ("", "") when no weights are found."""
     root = local_dir(model, None) if model else None
-    if root is None or not has_weights(root):
+    if root is None:
         return "", ""
     weights = content_digest(root)
     if model is not None and os.path.isdir(model):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.config import CONNECTOR_SETTINGS, StoreConfig, load_settings, read_settings_file
+from kvtier.config import CONNECTOR_SETTINGS, StoreConfig, load_settings, parse_env_bool, read_settings_file
 from kvtier.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -215,9 +215,7 @@ def _parse_env(var: str, raw: str, kind: str) -> Any:
         if "Mapping" in kind:
             return json.loads(raw)
         if kind == "bool":
-            if raw.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return raw.lower() in ("1", "true", "yes", "on")
-            raise ValueError
+            return parse_env_bool(var, raw)
         if "None" in kind and raw.lower() in ("", "none", "null"):
             return None
         if kind.startswith("int"):

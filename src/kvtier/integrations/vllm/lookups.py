@@ -11,7 +11,6 @@ lookup answered in time between them trip the shared pool in the ``TierGuard``: 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Callable
@@ -80,9 +79,6 @@ class LookupQueue:
     def queued(self) -> int:
         with self._mutex:
             return self._queued
-
-    def wait(self, lookup: PendingLookup, timeout_s: float) -> None:
-        cf.wait([lookup.future], timeout=timeout_s)
 
     def shutdown(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
