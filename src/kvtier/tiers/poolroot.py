@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import TierUnavailableError
-from kvtier.fileio import read_small
+from kvtier.fileio import TMP_SUFFIX, read_small
 from kvtier.tiers.files import MARKER, ChunkFiles
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,11 @@ def init_pool(path: str | os.PathLike[str], max_bytes: int | None, *, group_acce
     when ``max_bytes`` is given. An existing pool keeps its chunks; a non-empty directory that is
     not a pool is refused (ValueError), so that a typo never marks a directory of other files."""
     root = Path(path)
-    if root.is_dir() and not (root / MARKER).is_file() and any(root.iterdir()):
+    # One listing decides: another init of the same pool may be writing the marker right now
+    # (its temp file all the directory holds, then the marker), so only other files make the
+    # directory "not a pool".
+    names = {p.name for p in root.iterdir()} if root.is_dir() else set()
+    if MARKER not in names and any(not name.endswith(TMP_SUFFIX) for name in names):
         raise ValueError(f"{root} is not empty and not a kvtier pool; give an empty or new directory")
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"--max-bytes: must be > 0, got {max_bytes}")
