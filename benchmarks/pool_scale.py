@@ -17,6 +17,10 @@ an mtime in the future), beside 8 live instances (ledgers, liveness locks) and 4
   with ``--baseline-src DIR`` (the ``src`` of a checkout before the change), the old code's
   first sync on the same pool (recount and eviction, all under ROOT/.lock) in a subprocess.
 
+**Per-operation mode** (``--op-costs N``): the median cost of each filesystem operation a publish
+and a round make (mkdir, publish, lstat, unlink, rmdir, listing a shard directory as full as a
+12M-file pool's), for the extrapolation to a fleet.
+
 **Writers mode** (``--writers N --minutes M``): N processes share one pool (``--dir`` may list
 the same directory through several mounts, comma-separated: process i uses mount i mod k),
 each a PoolTier with a budget (``--budget-mib``) storing real chunks (``--chunk-kib``) through
@@ -261,11 +265,11 @@ def writer(w: int, pool: str, args: argparse.Namespace, published: Any, deadline
                          "misses": 0, "corrupt_reads": 0, "read_errors": 0, "max_store_s": 0.0}
     interval = (spec.file_bytes / (args.write_mbps * 1e6)) if args.write_mbps else 0.0
     next_write = time.monotonic()
-    rounds: dict[int, tuple[float, int]] = {}
+    rounds: dict[int, tuple[float, int, int, int]] = {}
     while time.monotonic() < deadline:
         r0 = tier.evictor.last_round
         if r0 is not None:
-            rounds[id(r0)] = (r0.seconds, r0.evicted)
+            rounds[id(r0)] = (r0.seconds, r0.evicted, r0.dirs, getattr(r0, "pruned", 0))  # 0: code before pruning
         others = [o for o in range(args.writers) if published[o] and o != w]
         due = time.monotonic() >= next_write and (interval > 0 or rng.random() < 0.5)  # unthrottled: half writes
         if due or not others:
@@ -276,8 +280,8 @@ def writer(w: int, pool: str, args: argparse.Namespace, published: Any, deadline
             key = {Status.WRITTEN: "written", Status.EXISTS: "exists"}.get(r.status)
             key = key or ("refused" if "budget cap" in r.error else "failed")
             c[key] += 1
-            if r.status is Status.WRITTEN:
-                published[w] += 1
+            if r.status is Status.WRITTEN or key == "refused":
+                published[w] += 1  # a refused chunk is lost, as an engine's is: the next one is new
             next_write = max(next_write + interval, time.monotonic() - 1.0)
             if key == "refused":  # an engine goes on computing: the next chunk comes later
                 next_write = max(next_write, time.monotonic() + REFUSED_BACKOFF_S)
@@ -301,7 +305,8 @@ def writer(w: int, pool: str, args: argparse.Namespace, published: Any, deadline
     snap = tier.metrics.snapshot()
     c.update(evictions=snap.evictions, budget_refusals=snap.budget_refusals, lock_failures=snap.lock_failures,
              read_races=snap.read_races, lock_max_ms=1e3 * tier.locks.longest_hold_s,
-             rounds=len(rounds), round_s=sorted(round(sec, 3) for sec, n in rounds.values() if n))
+             rounds=len(rounds), round_s=sorted(round(r[0], 3) for r in rounds.values() if r[1]),
+             round_dirs=[r[2] for r in rounds.values()], pruned_dirs=sum(r[3] for r in rounds.values()))
     tier.close()
     queue.put({"writer": w, "pool": pool, **c})
 
@@ -348,19 +353,73 @@ def writers(args: argparse.Namespace) -> dict[str, Any]:
            "write_mbps_per_writer": args.write_mbps, "samples": len(sizes), "over_bound": sample["over_bound"],
            "max_pool_bytes": max(sizes, default=0), "median_scan_s": statistics.median(
                [d for _, _, d in sample["samples"]] or [0.0]), "per_writer": rows, "size_series": sample["samples"]}
-    for k in ("written", "refused", "reads", "hits", "misses", "corrupt_reads", "read_errors", "evictions"):
+    for k in ("written", "exists", "refused", "failed", "reads", "hits", "misses", "corrupt_reads", "read_errors",
+              "evictions"):
         out[k] = sum(r[k] for r in rows)
+    out["offered"] = out["written"] + out["exists"] + out["refused"] + out["failed"]
+    out["offered_mb_per_s"] = out["offered"] * spec.file_bytes / (60 * args.minutes) / 1e6
+    out["refused_share"] = out["refused"] / max(1, out["offered"])
     out["lock_max_ms"] = max(r["lock_max_ms"] for r in rows)
     all_rounds = [sec for r in rows for sec in r["round_s"]]
     out["rounds"] = len(all_rounds)
+    out["median_round_dirs"] = statistics.median([d for r in rows for d in r["round_dirs"]] or [0])
+    out["pruned_dirs"] = sum(r["pruned_dirs"] for r in rows)
     out["median_round_s"] = statistics.median(all_rounds) if all_rounds else 0.0
     log(f"{args.writers} writers, {args.minutes} min: pool at most {out['max_pool_bytes'] / 2**20:.1f} MiB of a "
         f"{bound / 2**20:.1f} MiB bound (budget {budget / 2**20:.0f} MiB), {out['over_bound']} of {len(sizes)} "
-        f"samples over; written {out['written']}, refused {out['refused']}, evicted {out['evictions']}; reads "
+        f"samples over; offered {out['offered']} ({out['offered_mb_per_s']:.1f} MB/s), written {out['written']}, "
+        f"refused {out['refused']} ({100 * out['refused_share']:.2f}%), evicted {out['evictions']}; reads "
         f"{out['reads']}: {out['hits']} hits, {out['misses']} misses, {out['corrupt_reads']} corrupt or partial, "
         f"{out['read_errors']} errors; {out['rounds']} eviction rounds, median {out['median_round_s']:.2f} s; "
         f"lock held at most {out['lock_max_ms']:.1f} ms")
     return out
+
+
+# -- per-operation costs (the extrapolation to a fleet in docs/benchmarks.md) -------------------------
+
+
+def op_costs(args: argparse.Namespace) -> dict[str, Any]:
+    """Median seconds of each filesystem operation eviction and publishing make, on ``--dir``
+    (the first mount), ``--op-costs`` times each: mkdir and rmdir of a shard directory, a
+    publish of a ``--chunk-kib`` file (create, write, rename), lstat, unlink, and the listing of
+    a directory of ``--list-files`` entries (with an lstat each, as a round lists)."""
+    root = Path(args.dir.split(",")[0]) / f"op-costs-{os.getpid()}"
+    root.mkdir(parents=True)
+    n, payload = args.op_costs, os.urandom(args.chunk_kib << 10)
+    t: dict[str, list[float]] = {k: [] for k in ("mkdir", "publish", "lstat", "unlink", "rmdir", "list_dir")}
+
+    def timed(key: str, fn: Any, *a: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*a)
+        t[key].append(time.perf_counter() - t0)
+        return out
+
+    def publish(path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+
+    for i in range(n):
+        d = root / f"{i:02x}"
+        timed("mkdir", os.mkdir, d)
+        timed("publish", publish, d / "c.kvt")
+        timed("lstat", os.lstat, d / "c.kvt")
+        timed("unlink", os.unlink, d / "c.kvt")
+        timed("rmdir", os.rmdir, d)
+    full = root / "full"
+    full.mkdir()
+    for i in range(args.list_files):
+        (full / f"{i:064x}.kvt").touch()
+    for _ in range(n):
+        timed("list_dir", lambda: [e.stat(follow_symlinks=False) for e in os.scandir(full)])
+    shutil.rmtree(root)
+    out = {k: statistics.median(v) for k, v in t.items()}
+    out["list_per_entry"] = out["list_dir"] / args.list_files
+    log("per-operation medians on " + args.dir.split(",")[0] + ": " +
+        ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in out.items()))
+    return {"mode": "op_costs", "dir": str(root.parent), "repeats": n, "chunk_kib": args.chunk_kib,
+            "list_files": args.list_files, "median_s": out}
 
 
 def main() -> None:
@@ -383,9 +442,12 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=1.0, help="seconds between size samples")
     ap.add_argument("--size-dirs", help="comma-separated directories whose chunk files sum to the pool's "
                     "size (default: the first --dir)")
+    ap.add_argument("--op-costs", type=int, default=0, help="per-operation mode: time each operation this often")
+    ap.add_argument("--list-files", type=int, default=183, help="entries of the directory listed (op costs; "
+                    "183: 12M files over 65,536 shard directories)")
     ap.add_argument("--out", help="write the JSON here (else stdout)")
     args = ap.parse_args()
-    result = writers(args) if args.writers else scale(args)
+    result = op_costs(args) if args.op_costs else writers(args) if args.writers else scale(args)
     result["argv"] = sys.argv[1:]
     result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     text = json.dumps(result, indent=1)

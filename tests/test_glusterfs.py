@@ -129,6 +129,46 @@ def test_both_clients_publishing_the_same_chunks_at_once_leave_one_sound_copy(gl
     assert failures == [] and len(present) == len(chunks)
 
 
+def test_publishing_on_b_while_a_prunes_the_same_shard_directories_never_fails(gluster_pool, tiny, bits_equal):
+    """Eviction removes the shard directories it empties (``ChunkFiles.prune_shard``). A writer
+    on another client that made (or found) the directory a moment before must not fail: its
+    create meets ENOENT or ESTALE and it makes the directory again; a directory holding its
+    chunk or temp file is never removed."""
+    a_dir, b_dir = gluster_pool
+    a, b = ChunkFiles(a_dir), ChunkFiles(b_dir)
+    chunks = tiny.chunks(40, seed=9)
+    shards = sorted({str(a.path_for(c.id.key).parent.relative_to(a_dir)) for c in chunks})
+    done = threading.Event()
+    pruned: list[int] = []
+
+    def prune_all() -> None:
+        n = 0
+        while not done.is_set():
+            n += sum(a.prune_shard(shard) for shard in shards)
+        pruned.append(n)
+
+    pruner = threading.Thread(target=prune_all)
+    pruner.start()
+    failures: list[OSError] = []
+    try:
+        for chunk in chunks:
+            for _ in range(3):  # written, pruned after its eviction on A, written again
+                try:
+                    b.publish(chunk, tiny.spec())
+                except OSError as exc:
+                    failures.append(exc)
+                b.remove(chunk.id.key)
+            b.publish(chunk, tiny.spec())
+    finally:
+        done.set()
+        pruner.join(60)
+    assert failures == [] and pruned and pruned[0] > 0
+    for chunk in chunks:
+        wait_until("the chunk shows on A", lambda c=chunk: a.stat_size(c.id.key) is not None, VISIBLE_S)
+        bits_equal(a.read(chunk.id, tiny.spec()).data, chunk.data)
+    assert temp_files(a_dir) == []
+
+
 def test_o_excl_creates_are_exclusive_across_the_two_clients(gluster_pool):
     """Temp names are unique (pid + random), and O_EXCL is the backstop if two ever met."""
     a_dir, b_dir = gluster_pool

@@ -565,7 +565,83 @@ def test_a_sampled_chunk_hit_or_retained_since_the_sample_is_kept(open_pool, poo
         kept = found[0].path
         later = time.time() + 3600
         os.utime(kept, (later, later))  # retained since the listing
-        _, outcomes = pool.evictor._visit(shard, found, lambda f: True)
+        _, outcomes, pruned = pool.evictor._visit(shard, found, lambda f: True)
+        assert not pruned  # the retained chunk is still there
         assert kept.exists() and 0 not in outcomes
         assert all(outcomes[i] is True for i in range(1, len(found)))
         assert not any(f.path.exists() for f in found[1:])
+
+
+def test_a_round_removes_the_shard_directories_it_empties(open_pool, pool_dir, tiny):
+    """6f37bba never removed a shard directory: a small pool of random keys came to hold
+    thousands of empty ones, and every round listed them all (one round trip each on a network
+    filesystem: 19 s rounds on GlusterFS). Now a round removes what it empties; a directory
+    holding anything else (a writer's temp file) stays, and a writer whose directory went makes
+    it again."""
+    paths = _sparse_pool(pool_dir, 300, seed=11)  # oldest first
+    busy = paths[0].parent / "x.kvt.tmp"
+    busy.write_bytes(b"a write in progress")
+    pool = open_pool()
+    pool.evict(30 * FILE)  # the newest 10% stay
+    stats = pool.evictor.last_round
+    holding = {p.parent for p in paths if p.exists()} | {busy.parent}
+    left = {pool_dir / s for s in pool.files.shard_dirs()}
+    assert stats.pruned > 0 and left == holding
+    assert all(os.listdir(d) for d in left)
+    chunk = tiny.chunks(1, seed=5)[0]
+    shard = pool.files.path_for(chunk.id.key).parent
+    if shard.exists() and not os.listdir(shard):
+        shard.rmdir()
+    assert pool.store(chunk, tiny.spec()).status is Status.WRITTEN
+    assert pool.files.prune_shard(str(shard.relative_to(pool_dir))) is False  # not empty: kept
+    assert pool.load(chunk.id, tiny.spec()).status is Status.HIT
+    assert pool.files.prune_shard("../..") is False and pool.files.prune_shard("zz/00") is False
+
+
+def test_a_round_starts_ahead_of_the_budget_by_a_rounds_worth_of_writes():
+    """6f37bba started a round only past the budget: with the cap a sixteenth above it, a pool
+    written faster than budget / 16 per round refused chunks during every round (13% of 20 MB/s
+    on GlusterFS, rounds of 2 s, a 512 MiB budget)."""
+    from kvtier.tiers.evictpace import MAX_LEAD, Pace
+
+    budget = 512 << 20
+    pace = Pace()
+    assert pace.start_at(budget) == budget  # nothing learnt yet
+    pace.look(0.0, 100 << 20)
+    pace.look(0.1, 200 << 20)  # too close to the last look to say anything
+    assert pace.rate == 0
+    pace.look(1.0, 110 << 20)  # 10 MiB/s
+    assert pace.start_at(budget) == budget - int(MAX_LEAD * budget)  # writes seen, no round timed yet
+    pace.round_ended(1.0)
+    pace.look(2.0, 90 << 20)  # after the round: measured afresh, a fall is not a rate
+    assert pace.rate == 5 << 20  # smoothed from 0
+    assert pace.start_at(budget) == budget - int(1.5 * (5 << 20))
+    for t in range(3, 30):
+        pace.look(float(t), (90 << 20) + (t - 2) * (40 << 20))  # 40 MiB/s: the lead is capped
+    pace.round_ended(3.0)
+    assert pace.start_at(budget) == budget - int(MAX_LEAD * budget)
+    # 40 MiB/s from empty to the start (90% of the budget): half of 11.5 s
+    assert 5.5 < pace.next_look_s(0, budget, 10.0) < 6.0
+    assert pace.next_look_s(budget, budget, 10.0) == 1.0  # at least a second apart
+    fresh = Pace()
+    fresh.look(0.0, 0)
+    fresh.look(1.0, 100 << 20)
+    assert fresh.rate > 0 and fresh.next_look_s(0, budget, 10.0) == 10.0  # never evicted: the usual tick
+    assert fresh.start_at(budget) == budget - int(MAX_LEAD * budget)  # but starts early: no round timed yet
+
+
+def test_the_evictor_starts_a_round_before_the_pool_passes_its_budget(open_pool, pool_dir, tiny):
+    """With a write rate learnt, the background evictor runs a round while the total is still
+    under the budget, so the writers never meet the cap."""
+    budget = 40 * tiny.spec().file_bytes
+    pool = open_pool(capacity_bytes=budget)
+    pool.evictor.pace.rate, pool.evictor.pace.round_s = budget, 1.0  # a budget per second: the lead is 5%
+    start = pool.evictor.pace.start_at(budget)
+    assert start < budget
+    for ch in tiny.chunks(39, seed=21):  # 97.5% of the budget: past the start, not the budget
+        assert pool.store(ch, tiny.spec()).status is Status.WRITTEN
+    assert pool.sync() > start
+    assert within(pool.evictor.settle, 10.0)
+    assert pool.evictor.last_round is not None and pool.evictor.last_round.evicted > 0
+    assert pool.sync() <= budget * evict_mod.LOW_WATERMARK
+

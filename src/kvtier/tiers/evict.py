@@ -11,7 +11,9 @@ that finds it held skips the round) and no other lock while it works:
    mtime below which the share of the pool's bytes it must free lies in the sample (oldest
    first, plus twice the share's sampling error, so that one pass rarely falls short);
 3. **sweep**: it visits the directories in the same order (the sampled ones from memory) and
-   unlinks every chunk older than the cutoff, until it freed what it must.
+   unlinks every chunk older than the cutoff, until it freed what it must, and removes the
+   directories it empties (``ChunkFiles.prune_shard``: rounds then list only directories that
+   hold chunks).
 
 On a network filesystem every listing, ``lstat`` and unlink is a round trip: when the first
 ``PROBE_DIRS`` directories take over ``PARALLEL_ABOVE_S`` each, the round lists and unlinks on
@@ -60,6 +62,7 @@ from kvtier.metrics import TierMetrics
 from kvtier.threads import executor, thread
 from kvtier.tiers.base import ChangeJournal
 from kvtier.tiers.evictlog import EvictionLog
+from kvtier.tiers.evictpace import Pace
 from kvtier.tiers.evictplan import SLACK, Plan, plan
 from kvtier.tiers.files import ChunkFile, ChunkFiles
 from kvtier.tiers.folds import anchor, fold_dead, remove_orphans
@@ -109,7 +112,8 @@ class Owner(Protocol):
 
 
 Doom = Callable[[ChunkFile], bool]  # which chunks of a directory a sweep unlinks
-Visit = tuple[list[ChunkFile], dict[int, bool | None]]  # a directory's chunk files, unlink outcomes by index
+# a directory's chunk files, unlink outcomes by index, and whether the directory was pruned (emptied)
+Visit = tuple[list[ChunkFile], dict[int, bool | None], bool]
 
 
 @dataclass
@@ -123,6 +127,7 @@ class Sweep:
     kept_chunks: int = 0
     visited: int = 0
     seen: int = 0
+    pruned: int = 0
     reservoir: list[ChunkFile] = field(default_factory=list)
 
 
@@ -138,11 +143,12 @@ class RoundStats:
     visited: int
     seen: int
     seconds: float
+    pruned: int = 0  # empty shard directories removed
 
 
 class Evictor:
     """The eviction rounds of one pool tier: ``evict`` in the caller's thread, and (``start``)
-    a background thread that runs them when the total is over budget. The thread never runs
+    a background thread that runs them when the total nears the budget (``tiers/evictpace.py``). The thread never runs
     writers' work and writers never run rounds: they only ``wake`` it."""
 
     def __init__(self, owner: Owner, files: ChunkFiles, locks: PoolLocks, ledger: Ledger,
@@ -152,6 +158,7 @@ class Evictor:
         self.journal, self.metrics, self.sync_bytes = journal, metrics, sync_bytes
         self.log = log
         self.last_round: RoundStats | None = None
+        self.pace = Pace()  # when a round starts: ahead of the budget by a round's worth of writes
         self._rng = random.Random()
         self._scan_pool: cf.ThreadPoolExecutor | None = None
         self._parallel = True
@@ -246,13 +253,15 @@ class Evictor:
         base = usage.base if usage is not None else None
         count = (base is None or usage is None or usage.total is None or now - base.anchored_at > RECOUNT_S) \
             and self._may_count()
-        if total <= capacity and not count:
-            return TICK_S
+        self.pace.look(time.monotonic(), total)
+        if total <= self.pace.start_at(capacity) and not count:
+            return max(MIN_LOOK_S, self.pace.next_look_s(total, capacity, TICK_S))
         quiet = self._quiet_until - time.monotonic()
         if quiet > 0 and not forced:
             return quiet  # the last round found nothing to do: writers' wakes change nothing yet
         del owner  # a round may be long: do not keep the tier alive through it
-        evicted = self.evict(int(capacity * LOW_WATERMARK), count=count)
+        # Started ahead of the budget, a round frees as much further: a tenth of it at least.
+        evicted = self.evict(int(capacity * LOW_WATERMARK) - self.pace.lead(capacity), count=count)
         if evicted is None:
             return BUSY_RETRY_S  # another instance is evicting: look again soon
         if not evicted and not (self.last_round is not None and self.last_round.anchored):
@@ -301,14 +310,14 @@ class Evictor:
         listing.close()
         exact = len(first) == len(order)
         total, count = self._total(sample, len(first), len(order), exact, before, count)
-        evicted = freed = seen = visited = passes = 0
+        evicted = freed = seen = visited = passes = pruned = 0
         anchored, retained = False, exact
         while passes < MAX_PASSES and (total > target or count):
             passes += 1
             chosen = plan(sample, total - target, total, now, exact=exact, retained=retained)
             sweep = self._sweep(order, first, chosen, total - target, visit_all=exact or count)
             evicted, freed = evicted + sweep.evicted, freed + sweep.freed
-            seen, visited = seen + sweep.seen, visited + sweep.visited
+            seen, visited, pruned = seen + sweep.seen, visited + sweep.visited, pruned + sweep.pruned
             if not sweep.complete:
                 break  # freed what it must (or the tier is closing)
             self._write_ledger()  # our removals, before the anchor reads the ledgers
@@ -333,7 +342,8 @@ class Evictor:
                 pass
         del owner
         self.last_round = RoundStats(evicted, freed, passes, anchored, len(order), visited, seen,
-                                     time.perf_counter() - t0)
+                                     time.perf_counter() - t0, pruned)
+        self.pace.round_ended(self.last_round.seconds)
         return evicted
 
     def _total(self, sample: list[ChunkFile], sampled_dirs: int, dirs: int, exact: bool, before: Usage,
@@ -375,8 +385,9 @@ class Evictor:
                 return visit_all, None  # freed enough: stop, or only count on
             return True, doom
 
-        for found, outcomes in self._visits(order, first, next_task):
+        for found, outcomes, pruned in self._visits(order, first, next_task):
             out.visited += 1
+            out.pruned += pruned
             for i, f in enumerate(found):
                 out.seen += 1
                 gone = outcomes.get(i)
@@ -440,7 +451,8 @@ class Evictor:
             found = self.files.scan_shard(shard)
         outcomes = {i: self._unlink(f) for i, f in enumerate(found)
                     if doom is not None and doom(f) and (not earlier or self._unchanged(f))}
-        return found, outcomes
+        emptied = all(outcomes.get(i) is not None for i in range(len(found)))
+        return found, outcomes, emptied and self.files.prune_shard(shard)
 
     @staticmethod
     def _unchanged(f: ChunkFile) -> bool:

@@ -466,6 +466,10 @@ class ChunkFiles:
         """The published chunk files of one shard directory (``listing.scan_shard``)."""
         return listing.scan_shard(self._root_str, shard)
 
+    def prune_shard(self, shard: str) -> bool:
+        """Remove the shard directory ``"ab/cd"`` if empty (``listing.prune_shard``)."""
+        return listing.prune_shard(self._root_str, shard)
+
     def temp_files(self) -> Iterator[tuple[Path, float]]:
         """Temp files (writes in progress or left by crashed writers) and their mtimes."""
         return listing.temp_files(self._root_str, self.shard_dirs())

@@ -1,8 +1,9 @@
-"""Listing a chunk directory: its shard directories, the chunk files in each, its temp files.
+"""Listing a chunk directory: its shard directories, the chunk files in each, its temp files;
+removing a shard directory eviction emptied.
 
 Names are untrusted (a group-shared pool): only a name a chunk can have, in the shard directory
 its key names, is listed as a chunk; sizes and mtimes are the entry's own (``lstat``). Used by
-``ChunkFiles`` (``scan``, ``shard_dirs``, ``scan_shard``, ``temp_files``), which callers use;
+``ChunkFiles`` (``scan``, ``shard_dirs``, ``scan_shard``, ``temp_files``, ``prune_shard``), which callers use;
 ``listed`` lists many shard directories on a thread pool, a few ahead (eviction, ``pool gc``).
 """
 
@@ -118,6 +119,24 @@ def temp_files(root: str, shards: Sequence[str]) -> Iterator[tuple[Path, float]]
                     yield Path(entry.path), entry.stat().st_mtime
                 except OSError:
                     continue
+
+
+def prune_shard(root: str, shard: str) -> bool:
+    """Remove the shard directory ``"ab/cd"`` of ``root`` if it is empty; True when removed.
+
+    Eviction prunes the directories it empties, so that its rounds list only directories that
+    hold chunks (a small pool of random keys would otherwise come to list all 65,536, each a
+    round trip on a network filesystem). A writer racing with it finds its directory gone and
+    makes it again (``ChunkFiles.publish``); a file created in it first makes the ``rmdir``
+    fail (ENOTEMPTY), and the directory stays."""
+    ab, _, cd = shard.partition("/")
+    if not (_HEX2.fullmatch(ab) and _HEX2.fullmatch(cd)):
+        return False
+    try:
+        os.rmdir(f"{root}/{shard}")
+    except OSError:
+        return False
+    return True
 
 
 def _subdir_names(path: str) -> list[str]:

@@ -19,7 +19,8 @@ they all rewrite and no scan under a lock:
   reads the others' at the same time (a *sync*: one listing, one small read per instance).
   The pool's total is a base (``ROOT/.usage``, the last exact count) plus every ledger.
 * Eviction (``tiers/evict.py``) runs on a thread of this tier's own, never on the writer's,
-  woken when the total is over budget, and by one instance of the fleet at a time (a
+  woken when the total nears the budget (a round's worth of writes below it, at most 5%:
+  ``tiers/evictpace.py``), and by one instance of the fleet at a time (a
   non-blocking lease, ``ROOT/.evict.lock``): an approximate LRU (oldest mtime first; a hit
   refreshes mtime at most once a minute) sampled per shard directory, down to 0.9 of the
   budget, whose cost per evicted chunk does not grow with the pool.
@@ -295,7 +296,8 @@ class PoolTier(TierBase):
             self._own_read = own.added - own.removed if own is not None else 0
             known = self._known()
         self.metrics.set(bytes=known)
-        if wake and self.capacity_bytes is not None and (usage.total is None or known > self.capacity_bytes):
+        if wake and self.capacity_bytes is not None and (
+                usage.total is None or known > self.evictor.pace.start_at(self.capacity_bytes)):
             self.evictor.wake()
         return known
 
@@ -320,8 +322,8 @@ class PoolTier(TierBase):
                 refused = self.cap_bytes is not None and projected > self.cap_bytes
                 if not refused:
                     self._inflight += size
-        if self.capacity_bytes is not None and projected > self.capacity_bytes:
-            self.evictor.wake()
+        if self.capacity_bytes is not None and projected > self.evictor.pace.start_at(self.capacity_bytes):
+            self.evictor.wake()  # a round starts a little ahead of the budget (tiers/evictpace.py)
         if refused:
             return f"the pool is over its budget cap ({self.cap_bytes} B): eviction is behind; not published"
         return None
