@@ -645,3 +645,23 @@ def test_the_evictor_starts_a_round_before_the_pool_passes_its_budget(open_pool,
     assert pool.evictor.last_round is not None and pool.evictor.last_round.evicted > 0
     assert pool.sync() <= budget * evict_mod.LOW_WATERMARK
 
+
+def test_a_count_anchored_by_a_clock_a_day_ahead_makes_no_one_recount(open_pool, pool_dir, tiny):
+    """Before: a count anchored by an instance whose clock ran a day ahead read as nonsense
+    (a time in the future), so every other instance recounted the pool every 10 minutes."""
+    size = tiny.spec().file_bytes
+    first = open_pool(capacity_bytes=100 * size)
+    for ch in tiny.chunks(3, seed=8):
+        first.store(ch, tiny.spec())
+    assert first.evictor.settle()
+    counted = read_usage(pool_dir).total  # the first count
+    assert counted is not None
+    usage = json.loads((pool_dir / ".usage").read_text())
+    usage["anchored_at"] = time.time() + 25 * 3600
+    (pool_dir / ".usage").write_text(json.dumps(usage))
+    rounds = first.evictor.last_round
+    other = open_pool(capacity_bytes=100 * size)
+    assert read_usage(pool_dir).total == counted  # a count, not nonsense
+    assert other.evictor.settle() and first.evictor.settle()
+    assert other.evictor.last_round is None and first.evictor.last_round is rounds  # nobody counted
+    assert other.evictor._age(usage["anchored_at"]) < 60

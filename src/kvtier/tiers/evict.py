@@ -170,6 +170,7 @@ class Evictor:
         self._thread: threading.Thread | None = None
         self._last_fold = -math.inf
         self._counted_at = -math.inf  # time.monotonic() of this evictor's last full pass
+        self._seen_count = (math.nan, 0.0)  # (a count's anchored_at, when this evictor first saw it)
         self._quiet_until = -math.inf
         self.thread_id: int | None = None
         self._unlink_warned = False
@@ -251,7 +252,7 @@ class Evictor:
         if capacity is None:
             return TICK_S
         base = usage.base if usage is not None else None
-        count = (base is None or usage is None or usage.total is None or now - base.anchored_at > RECOUNT_S) \
+        count = (base is None or usage is None or usage.total is None or self._age(base.anchored_at) > RECOUNT_S) \
             and self._may_count()
         self.pace.look(time.monotonic(), total)
         if total <= self.pace.start_at(capacity) and not count:
@@ -269,6 +270,15 @@ class Evictor:
             self._quiet_until = time.monotonic() + TICK_S
             return TICK_S
         return 0.0 if evicted else TICK_S  # writers outpacing it: the next round at once, if still over
+
+    def _age(self, anchored_at: float) -> float:
+        """The age of the count anchored at ``anchored_at`` (another instance's clock): by this
+        clock, or, when that puts it in the future, since this evictor first saw it. So a
+        clock ahead on the instance that anchored does not make every other one recount, and
+        one ahead here recounts at most once per count it sees."""
+        if self._seen_count[0] != anchored_at:
+            self._seen_count = (anchored_at, time.monotonic())
+        return max(time.time() - anchored_at, time.monotonic() - self._seen_count[1])
 
     def _may_count(self) -> bool:
         return time.monotonic() - self._counted_at > COUNT_RETRY_S

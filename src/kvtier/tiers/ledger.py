@@ -74,6 +74,7 @@ STALE_S = 600.0  # a ledger whose heartbeat is older (and whose lock is free) is
 ORPHAN_AGE_S = 3600.0  # temp and lock files of .usage.d left this long by a crash are removed
 LIMIT = 1 << 62  # bytes beyond this are nonsense
 FUTURE_S = 86400.0  # a time further ahead than this is nonsense (clock skew is far less)
+BASE_FUTURE_S = 30 * 86400.0  # a count's time: only its age is judged, and by each reader's clock (evict.py)
 _ID = re.compile(r"[A-Za-z0-9_-]{1,80}")
 _LEDGER_ID = re.compile(r"[A-Za-z0-9_-]{1,40}-[0-9]{1,10}-[0-9a-f]{8}")
 """What ``new_id`` makes: any other name in ``.usage.d`` was planted, and is never read."""
@@ -184,7 +185,8 @@ def read_base(root: Path) -> Base | None:
             if not isinstance(ident, str) or not _ID.fullmatch(ident):
                 return None
             kept.append((ident, _int(added), _int(removed)))
-        return Base(_int(data["bytes"], -LIMIT), _time(data["anchored_at"], time.time()),  # type: ignore[index]
+        anchored_at = _time(data["anchored_at"], time.time() + BASE_FUTURE_S - FUTURE_S)  # type: ignore[index]
+        return Base(_int(data["bytes"], -LIMIT), anchored_at,  # type: ignore[index]
                     _int(data.get("folded_added", 0)), _int(data.get("folded_removed", 0)),  # type: ignore[attr-defined]
                     tuple(kept))
     except FileNotFoundError:
