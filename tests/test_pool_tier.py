@@ -126,6 +126,7 @@ def _drop_from_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+        os.fsync(fd)  # dirty pages stay cached
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -543,3 +544,25 @@ def test_a_lock_file_replaced_by_a_symlink_or_fifo_is_not_used(open_pool, tiny, 
     within(pool.sync, 5.0)
     assert within(pool.evictor.settle, 10.0)
     assert bytes_on_disk(pool_dir) <= 2 * FILE
+
+
+def test_a_rotation_of_the_eviction_log_loses_no_line_a_reader_had_not_read(open_pool, pool_dir, monkeypatch):
+    """6f37bba started the log over by unlinking it: the lines appended after a reader's last
+    read and before the rotation were never read (a router kept advertising those chunks)."""
+    from kvtier.tiers import evictlog
+
+    monkeypatch.setattr(evictlog, "EVICTION_LOG_MAX_BYTES", 10 * 65)
+    pool = open_pool()
+    log, reader = pool.eviction_log, open_pool()
+    reader.read_evictions()
+    keys = [bytes([i]) * 32 for i in range(40)]
+    got: list[bytes] = []
+    for i in range(0, 40, 4):  # the reader reads after every third append: behind across rotations
+        log.append(keys[i:i + 4])
+        if i % 12 == 8:
+            got += reader.read_evictions()
+    for _ in range(4):
+        got += reader.read_evictions()
+    assert got == keys
+    assert (pool_dir / ".evicted.1").exists()
+

@@ -2,9 +2,14 @@
 
 Every eviction (by any instance's evictor, or ``kvtier pool gc``) appends the chunk's key, one
 hex line each, so that every instance can tell routers that a chunk it announced is gone
-(``PoolTier.read_evictions``). Past ``EVICTION_LOG_MAX_BYTES`` the next appender starts the log
-over; readers notice the new inode and read it from its start (one behind by more than that
-misses lines). The log is as untrusted as the chunks: never followed through a symlink, never
+(``PoolTier.read_evictions``). Past ``EVICTION_LOG_MAX_BYTES`` the next appender renames the
+log to ``.evicted.1`` (replacing the one before) and starts a new one; a reader that notices the
+new inode first reads the rest of the file it was reading, under its old name, then the new one
+from its start, so a rotation loses no line it had not read (a reader behind by more than a
+whole log misses lines). Appends happen under the eviction lease (rounds, ``pool gc``), so two
+appenders never rotate at once; without a working lock, two rotations at once can drop the
+lines of one generation, and a router then advertises chunks that are gone until its next miss
+on them. The log is as untrusted as the chunks: never followed through a symlink, never
 waited on as a FIFO, read at most ``EVICTION_READ_MAX_BYTES`` per call. It only feeds KV
 events: an eviction never fails for it.
 """
@@ -19,6 +24,7 @@ from kvtier.fileio import read_small
 from kvtier.tiers.files import ChunkFiles
 
 EVICTION_LOG = ".evicted"
+ROTATED_LOG = ".evicted.1"  # the log before the last rotation
 EVICTION_LOG_MAX_BYTES = 8 << 20
 EVICTION_READ_MAX_BYTES = 1 << 20  # per read_new call: a longer backlog is read over several
 
@@ -30,6 +36,7 @@ class EvictionLog:
     def __init__(self, files: ChunkFiles) -> None:
         self.files = files
         self.path = files.root / EVICTION_LOG
+        self.rotated = files.root / ROTATED_LOG
         self._pos: tuple[int, int] | None = None  # (inode, offset) read so far
 
     def append(self, keys: Sequence[bytes]) -> None:
@@ -39,7 +46,7 @@ class EvictionLog:
         try:
             st = os.lstat(self.path)
             if st.st_size > EVICTION_LOG_MAX_BYTES or not stat.S_ISREG(st.st_mode):
-                os.unlink(self.path)  # readers notice the new inode and read the new file from its start
+                os.replace(self.path, self.rotated)  # readers finish it there, then read the new one
         except FileNotFoundError:
             pass
         except OSError:
@@ -61,6 +68,10 @@ class EvictionLog:
         path = self.path
         try:
             st = os.stat(path, follow_symlinks=False)
+            if self._pos is not None and self._pos[0] != st.st_ino:
+                rest = self._rest_of_rotated(self._pos)
+                if rest is not None:
+                    return rest
             if self._pos is None or self._pos[0] != st.st_ino or self._pos[1] > st.st_size:
                 start = st.st_size if self._pos is None else 0  # new: from the end; rotated: all
             else:
@@ -71,6 +82,22 @@ class EvictionLog:
             return []
         except OSError:  # a symlink, FIFO or device planted there: never followed, never waited on
             return []
+        return self._take(data, st, start)
+
+    def _rest_of_rotated(self, pos: tuple[int, int]) -> list[bytes] | None:
+        """The unread lines of the log this reader was reading, rotated since (``.evicted.1``
+        with its inode); None when there is none left to read (or it rotated away too)."""
+        try:
+            data, st = read_small(self.rotated, EVICTION_READ_MAX_BYTES, pos[1])
+        except OSError:
+            return None
+        if st.st_ino != pos[0] or b"\n" not in data:
+            return None  # nothing (or only a torn line) left there: on to the new log
+        return self._take(data, st, pos[1])
+
+    def _take(self, data: bytes, st: os.stat_result, start: int) -> list[bytes]:
+        """The keys on the whole lines of ``data`` (read from ``start`` of the file ``st``);
+        the position moves past them."""
         end = data.rfind(b"\n") + 1  # a line being appended is read next time
         self._pos = (st.st_ino, start + end)
         keys = []
