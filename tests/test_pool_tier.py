@@ -566,3 +566,30 @@ def test_a_rotation_of_the_eviction_log_loses_no_line_a_reader_had_not_read(open
     assert got == keys
     assert (pool_dir / ".evicted.1").exists()
 
+
+def test_the_rate_probe_never_times_the_page_cache_as_the_pool(open_pool, tiny):
+    """6f37bba timed a chunk the page cache held whole (a memory copy, 10x a device's rate) as
+    the tier's first read rate. Now such a read goes to the device (O_DIRECT), and where that
+    is off, nothing is timed until the file is read from the device."""
+    from kvtier.tiers.pagecache import cached_bytes
+
+    pool = open_pool(direct_io=False)
+    chunk = tiny.chunks(1, seed=4)[0]
+    pool.store(chunk, tiny.spec())
+    path = pool.files.path_for(chunk.id.key)
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, size)  # the page cache holds it whole
+        if cached_bytes(fd) is None:
+            pytest.skip("the kernel cannot tell what the page cache holds (cachestat, Linux >= 6.5)")
+        assert pool.time_read(chunk.id, size) is None
+        os.fsync(fd)  # dirty pages stay cached
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if cached_bytes(fd):
+            pytest.skip("this filesystem keeps its pages (tmpfs)")
+    finally:
+        os.close(fd)
+    timed = pool.time_read(chunk.id, size)  # from the device
+    assert timed is not None and timed[0] == size
+    assert open_pool().time_read(chunk.id, size) is not None  # O_DIRECT: the device, cached or not

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -329,11 +330,13 @@ class ChunkFiles:
         return LoadResult(Status.HIT, got, from_cache=from_cache, in_place=got is None)
 
     def time_read(self, key: ChunkKey, max_bytes: int) -> tuple[int, float] | None:
-        """Read chunk file ``key`` whole, as ``read`` would (O_DIRECT unless the page cache holds
-        it), and return (bytes, seconds); None when it is absent, not a regular file, over
-        ``max_bytes`` or unreadable. The bytes are neither validated nor kept, and the file is
-        never removed or touched: this only times the device (``RateProbe``), and a neighbour's
-        file is judged by the loads that use it, not here."""
+        """Read chunk file ``key`` whole from the device and return (bytes, seconds); None when
+        it is absent, not a regular file, over ``max_bytes`` or unreadable, or when only the
+        page cache could be timed (it holds the file whole and O_DIRECT is off or refused: a
+        memory copy says nothing of the device, and a load decision that took it for the tier's
+        rate would load in the step from a slow tier). The bytes are neither validated nor kept,
+        and the file is never removed or touched: this only times the device (``RateProbe``),
+        and a neighbour's file is judged by the loads that use it, not here."""
         path = self._path_str(key)
         t0 = time.perf_counter()
         try:
@@ -345,8 +348,11 @@ class ChunkFiles:
             size = st.st_size
             if not stat.S_ISREG(st.st_mode) or not 0 < size <= max_bytes:
                 return None
-            cached = cached_bytes(fd) if self.direct_io else None
-            fill(fd, aligned_buffer(size).data, self._use_direct(fd, cached is not None and cached >= size))
+            direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+            cached = cached_bytes(fd)
+            if not direct and cached is not None and cached >= size:
+                return None
+            fill(fd, aligned_buffer(size).data, direct)
         except (OSError, ChunkError):
             return None
         finally:
