@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `faults` i
 from faults.harness import SCALES, SCENARIOS, FaultRow, is_root, markdown_table, write_results
 
 MODULES = ("faults.harness.hostile", "faults.harness.adversary", "faults.harness.crash", "faults.harness.concurrency",
+           "faults.harness.misconfig",
            "faults.harness.engine")
 REPO = Path(__file__).resolve().parents[2]
 
