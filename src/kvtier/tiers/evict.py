@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 __all__ = ["HEARTBEAT_S", "LOG_BATCH", "LOW_WATERMARK", "SCAN_THREADS", "SLACK", "Evictor", "Plan", "RoundStats",
            "listed", "plan"]
 
-LOW_WATERMARK = 0.9  # a round frees down to this share of the budget
+LOW_WATERMARK = 0.9  # a round frees down to this share of the budget (less its lead: evictpace.py)
 SAMPLE_FILES = 2048  # chunk files a round's sample sees (about 2% error on the cutoff's share)
 RESERVOIR = 4096  # kept chunks remembered by a pass, to place the next pass's cutoff
 MAX_PASSES = 4

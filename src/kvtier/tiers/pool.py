@@ -19,7 +19,7 @@ they all rewrite and no scan under a lock:
   reads the others' at the same time (a *sync*: one listing, one small read per instance).
   The pool's total is a base (``ROOT/.usage``, the last exact count) plus every ledger.
 * Eviction (``tiers/evict.py``) runs on a thread of this tier's own, never on the writer's,
-  woken when the total nears the budget (a round's worth of writes below it, at most 5%:
+  woken when the total nears the budget (a round's worth of writes below it, at most 10%:
   ``tiers/evictpace.py``), and by one instance of the fleet at a time (a
   non-blocking lease, ``ROOT/.evict.lock``): an approximate LRU (oldest mtime first; a hit
   refreshes mtime at most once a minute) sampled per shard directory, down to 0.9 of the
