@@ -6,7 +6,8 @@ points (called in this process: a process each would spend seconds importing tor
 is what the check precedes), ``kvtier probe``, and a pool opened as an engine opens it, with
 what kvtier writes to stderr and logs captured. A row passes when kvtier refuses with one line naming the
 setting (and creates nothing), or warns at open while serving on; ``wrong`` counts a mistake
-accepted in silence, which is what 6f37bba did with every one of them (issue 39). No mistake
+accepted in silence (on 6f37bba, issue 39: `kvtier serve` started vLLM with each of the serve
+rows but the YAML one, a traceback; the rest went unsaid). No mistake
 here can produce a wrong answer, because nothing is served from a pool that was refused.
 """
 
