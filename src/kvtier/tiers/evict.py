@@ -148,8 +148,8 @@ class RoundStats:
 
 class Evictor:
     """The eviction rounds of one pool tier: ``evict`` in the caller's thread, and (``start``)
-    a background thread that runs them when the total nears the budget (``tiers/evictpace.py``). The thread never runs
-    writers' work and writers never run rounds: they only ``wake`` it."""
+    a background thread that runs them when the total nears the budget (``tiers/evictpace.py``).
+    The thread never runs writers' work and writers never run rounds: they only ``wake`` it."""
 
     def __init__(self, owner: Owner, files: ChunkFiles, locks: PoolLocks, ledger: Ledger,
                  journal: ChangeJournal, metrics: TierMetrics, sync_bytes: int, log: EvictionLog) -> None:

@@ -32,11 +32,13 @@ class Pace:
 
     def look(self, now: float, total: int) -> None:
         """The total as seen at a look at ``now`` (monotonic seconds)."""
-        if self._last is not None and now - self._last[0] >= MIN_SPAN_S:
-            growth = max(0.0, (total - self._last[1]) / (now - self._last[0]))
+        if self._last is not None:
+            span = now - self._last[0]
+            if span < MIN_SPAN_S:
+                return  # measured from the earlier look, once enough time has passed
+            growth = max(0.0, (total - self._last[1]) / span)
             self.rate = (1 - SMOOTHING) * self.rate + SMOOTHING * growth
-        if self._last is None or now - self._last[0] >= MIN_SPAN_S:
-            self._last = (now, total)
+        self._last = (now, total)
 
     def round_ended(self, seconds: float) -> None:
         """A round ran for ``seconds``: the total fell meanwhile, so the rate is measured

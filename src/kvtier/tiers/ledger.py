@@ -143,9 +143,10 @@ def _int(value: object, low: int = 0) -> int:
     return value
 
 
-def _time(value: object, now: float) -> float:
+def _time(value: object, now: float, ahead_s: float = FUTURE_S) -> float:
+    """A finite time at most ``ahead_s`` after ``now``, else ValueError."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-            or value > now + FUTURE_S:
+            or value > now + ahead_s:
         raise ValueError(f"not a time: {value!r}")
     return float(value)
 
@@ -185,8 +186,7 @@ def read_base(root: Path) -> Base | None:
             if not isinstance(ident, str) or not _ID.fullmatch(ident):
                 return None
             kept.append((ident, _int(added), _int(removed)))
-        anchored_at = _time(data["anchored_at"], time.time() + BASE_FUTURE_S - FUTURE_S)  # type: ignore[index]
-        return Base(_int(data["bytes"], -LIMIT), anchored_at,  # type: ignore[index]
+        return Base(_int(data["bytes"], -LIMIT), _time(data["anchored_at"], time.time(), BASE_FUTURE_S),  # type: ignore[index]
                     _int(data.get("folded_added", 0)), _int(data.get("folded_removed", 0)),  # type: ignore[attr-defined]
                     tuple(kept))
     except FileNotFoundError:

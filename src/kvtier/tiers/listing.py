@@ -3,8 +3,8 @@ removing a shard directory eviction emptied.
 
 Names are untrusted (a group-shared pool): only a name a chunk can have, in the shard directory
 its key names, is listed as a chunk; sizes and mtimes are the entry's own (``lstat``). Used by
-``ChunkFiles`` (``scan``, ``shard_dirs``, ``scan_shard``, ``temp_files``, ``prune_shard``), which callers use;
-``listed`` lists many shard directories on a thread pool, a few ahead (eviction, ``pool gc``).
+``ChunkFiles`` (``scan``, ``shard_dirs``, ``scan_shard``, ``temp_files``, ``prune_shard``), which
+callers use; ``listed`` lists many shard directories on a thread pool, a few ahead (eviction, ``pool gc``).
 """
 
 from __future__ import annotations

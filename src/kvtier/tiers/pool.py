@@ -23,7 +23,7 @@ they all rewrite and no scan under a lock:
   ``tiers/evictpace.py``), and by one instance of the fleet at a time (a
   non-blocking lease, ``ROOT/.evict.lock``): an approximate LRU (oldest mtime first; a hit
   refreshes mtime at most once a minute) sampled per shard directory, down to 0.9 of the
-  budget, whose cost per evicted chunk does not grow with the pool.
+  budget (less the lead it started with), whose cost per evicted chunk does not grow with the pool.
 * ``ROOT/.lock`` is held only to read and rewrite the base (one small read, one atomic
   replace): when folding up to 8 dead instances' ledgers, or re-anchoring the total after a
   pass that counted the whole pool (the ledgers are read before it). Never over a listing.
