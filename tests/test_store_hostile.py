@@ -227,10 +227,10 @@ def test_a_full_retention_table_is_swept_off_the_callers_thread_expired_keys_fir
 
 
 def test_every_cache_salt_costs_a_bounded_spec_cache_and_namespace_files(make_store, tiny, tmp_path, monkeypatch):
-    from kvtier import store as store_module
+    from kvtier import specs as specs_module
     from kvtier.store import MAX_DESCRIBED
 
-    monkeypatch.setattr(store_module, "MAX_SPECS", 64)  # reached by the salts below (4096 is too many here)
+    monkeypatch.setattr(specs_module, "MAX_SPECS", 64)  # reached by the salts below (4096 is too many here)
     store = make_store(pool_url=new_pool(tmp_path / "pool"))
     tokens = tiny.tokens(16)
     for i in range(MAX_DESCRIBED + 40):

@@ -119,7 +119,8 @@ def check_file(path: Path) -> ChunkFault | None:
             return ChunkFault.TRUNCATED
         dtype = DTYPES_BY_CODE.get(header.dtype_code)
         # Python ints: an absurd shape (5 dims of up to 2**32 - 1) is a big product, not an overflow.
-        if dtype is None or math.prod(header.shape) * dtype.itemsize != header.payload_bytes:
+        raw_bytes = header.payload_bytes if header.codec is None else header.codec.raw_bytes
+        if dtype is None or math.prod(header.shape) * dtype.itemsize != raw_bytes:
             return ChunkFault.LAYOUT
         if _hash_payload(fd, header.payload_bytes) != header.payload_xxh3:
             return ChunkFault.PAYLOAD_CHECKSUM

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.codec import namespace_tag, parse_codec
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.urls import is_redis_url, parse_pool_url, parse_redis_url
@@ -78,6 +79,9 @@ class StoreConfig:
     """The content of the model's weights (engine integrations set it: ``keys.Namespace``)."""
     weights_digest: str = ""
     """The weights' content alone, described beside the pool for ``kvtier doctor`` (not in keys)."""
+    kv_codec: str = "none"
+    """How chunks are stored on the disk tier and in the pool (``kvtier.codec``): ``none``,
+    ``lossless``, ``fp8`` or ``k8v4``. A lossy one is part of the namespace."""
     io_threads: int = 8
     write_threads: int = 1
     write_queue_chunks: int | None = None
@@ -114,6 +118,7 @@ class StoreConfig:
         if not isinstance(self.layout, KVLayout):
             raise ValueError("layout: must be a kvtier.KVLayout(num_layers, num_kv_heads, head_dim, dtype)")
         _positive_int("chunk_tokens", self.chunk_tokens, "use a multiple of the engine's block size, e.g. 256")
+        object.__setattr__(self, "kv_codec", parse_codec(self.kv_codec))
         _positive_int("io_threads", self.io_threads, "e.g. 8")
         _positive_int("write_threads", self.write_threads, "e.g. 1")
         if isinstance(self.write_nice, bool) or not isinstance(self.write_nice, int) or not 0 <= self.write_nice <= 19:
@@ -164,7 +169,8 @@ class StoreConfig:
         """The namespace this store's keys are made in (``rank``: another parallel rank's)."""
         return Namespace(self.model_id, self.layout, self.chunk_tokens, self.rank if rank is None else rank,
                          self.world_size, self.tenant_salt, kv_format=self.kv_format,
-                         model_digest=self.model_digest, weights_digest=self.weights_digest)
+                         model_digest=self.model_digest, weights_digest=self.weights_digest,
+                         kv_codec=namespace_tag(self.kv_codec))
 
     def __repr__(self) -> str:
         # Logged at start by engine integrations: secrets never reach a log line or a repr.

@@ -63,12 +63,17 @@ class Namespace:
     """The weights' content alone (``identity.content_digest``), described beside the pool so that
     ``kvtier doctor --model DIR`` can tell "other weights" from other differences. Descriptive
     only: ``model_digest`` already keys the weights, so it is not in ``digest``."""
+    kv_codec: str = ""
+    """A lossy codec and its version (``codec.namespace_tag``): exact and lossy KV never share
+    keys. Empty (no codec, or a lossless one) is left out of the digest."""
 
     def describe(self) -> dict[str, object]:
         """Canonical, human-readable fields (written beside pool data for `pool stats`)."""
         extra: dict[str, object] = {"model_digest": self.model_digest} if self.model_digest else {}
         if self.weights_digest:
             extra["weights_digest"] = self.weights_digest
+        if self.kv_codec:
+            extra["kv_codec"] = self.kv_codec
         return {**extra,
             "format_version": self.format_version,
             "model_id": self.model_id,

@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from functools import partial
@@ -54,15 +53,17 @@ import numpy as np
 import torch
 from prometheus_client.registry import CollectorRegistry
 
+from kvtier.codec import KVGeometry
 from kvtier.config import StoreConfig, load_settings, parse_bytes
 from kvtier.errors import TierUnavailableError
 from kvtier.format import PAYLOAD_OFFSET, ChunkSpec
 from kvtier.keys import ChunkId, Namespace, TokenIds, as_token_array, chunk_ids
-from kvtier.layout import DTYPE_CODES, KVLayout
+from kvtier.layout import KVLayout
 from kvtier.metrics import TierMetrics, new_registry
 from kvtier.reader import STOP_POLL_S, Placement, PrefixReader, Sink
 from kvtier.results import LoadedChunk, LookupResult, PendingPut, PrefixLoad, PutResult
 from kvtier.retention import Retention
+from kvtier.specs import MAX_DESCRIBED, MAX_SPECS, Specs
 from kvtier.threads import Failures, ThreadInit
 from kvtier.tiers.base import Chunk, Level, Tier
 from kvtier.tiers.guard import TierGuard
@@ -76,8 +77,6 @@ __all__ = ["MAX_DESCRIBED", "MAX_SPECS", "STOP_POLL_S", "BufferPool", "LoadedChu
            "Placement", "PrefixLoad", "PutResult", "TieredStore"]
 ChunkData = torch.Tensor | Callable[[torch.Tensor], None]
 """A chunk to store: the tensor, or a function that fills the store's buffer with it."""
-MAX_SPECS = 4096  # chunk specs kept, one per namespace (each cache_salt is one)
-MAX_DESCRIBED = 256  # namespaces a process describes in the disk and pool directories
 
 
 class TieredStore:
@@ -106,9 +105,9 @@ class TieredStore:
                                   else open_tiers(config, unavailable, thread_init, faults))
         self.store_metrics = TierMetrics("store")
         self._failures = Failures(self.store_metrics)
-        self._specs: OrderedDict[bytes, ChunkSpec] = OrderedDict()  # by namespace digest, LRU
-        self._described: set[bytes] = set()
-        self._spec_lock = threading.Lock()
+        self._specs = Specs(config.layout, config.chunk_tokens, config.kv_codec, self.tiers, self._failures,
+                            self.store_metrics)
+        self._spec = self._specs.get
         spec = self._spec(self.namespace)  # describes the namespace in the disk and pool directories
         self._buffers = BufferPool(spec.file_bytes, 2 * config.io_threads)
         self._retention = Retention(self.store_metrics, self._failures, thread_init)
@@ -150,37 +149,10 @@ class TieredStore:
         """Open from a YAML file or dict; ``KVTIER_*`` env vars and ``overrides`` win over it."""
         return cls(load_settings(source, **overrides))
 
-    def _spec(self, namespace: Namespace) -> ChunkSpec:
-        """The ``ChunkSpec`` of chunks in ``namespace``. The first time a namespace is seen, every
-        tier records what it is (the disk and pool directories: a small JSON file each).
-
-        Bounded whatever clients send (every ``cache_salt`` is a namespace): at most
-        ``MAX_SPECS`` specs are kept (least recently used dropped; one is rebuilt in
-        microseconds), and at most ``MAX_DESCRIBED`` namespaces are described per process (the
-        rest are counted in ``undescribed_namespaces``; their chunks are served all the same).
-        """
-        digest = namespace.digest
-        with self._spec_lock:
-            spec = self._specs.get(digest)
-            if spec is not None:
-                self._specs.move_to_end(digest)
-                return spec
-            shape = self.layout.shape(self.chunk_tokens)
-            spec = ChunkSpec(digest, DTYPE_CODES[self.layout.dtype], shape,
-                             self.chunk_tokens * self.layout.bytes_per_token)
-            self._specs[digest] = spec
-            if len(self._specs) > MAX_SPECS:
-                self._specs.popitem(last=False)
-            describe = digest not in self._described and len(self._described) < MAX_DESCRIBED
-            if describe:
-                self._described.add(digest)
-        if describe:
-            for tier in self.tiers:
-                self._failures.call(f"the {tier.name} tier's describe_namespace", tier.describe_namespace,
-                                    digest, namespace.describe())
-        elif digest not in self._described:
-            self.store_metrics.add(undescribed_namespaces=1)
-        return spec
+    def set_codec_geometry(self, geometry: KVGeometry) -> None:
+        """Where K and V sit in this store's chunks, for its ``kv_codec`` (an engine integration
+        whose chunks are its pages as bytes states it once it has seen the pages)."""
+        self._specs.set_geometry(geometry)
 
     def _namespace(self, tenant_salt: str | None) -> Namespace:
         return self.namespace if tenant_salt is None else self.namespace.with_salt(tenant_salt)

@@ -13,7 +13,9 @@ integration tests and the fault harness. SPEC keys (all but ``model``, ``out`` a
 * ``plan``: steps run one at a time, so a request sees what the ones before it stored:
   ``{"p": i, "salt": str, "cut": n, "tag": any}`` sends prompt i (its first n tokens; with a
   ``cache_salt``), ``{"reset": true}`` empties vLLM's prefix cache, ``{"sh": "cmd"}`` runs a
-  shell command (the fault harness breaks the pool with these). Default: every prompt in order,
+  shell command (the fault harness breaks the pool with these), ``{"batch": [i, ...],
+  "max_tokens": n}`` sends those prompts at once (one ``generate`` call; ``max_tokens`` for this
+  step only). Default: every prompt in order,
   with ``reset_prefix_cache_at: [i, ...]`` inserting resets. ``loop_s``: repeat the plan until
   that much time has passed (at least once). ``batch: true``: all prompts in one ``generate``
   call instead (concurrently).
@@ -28,8 +30,9 @@ Output: ``{"start_s", "preemptions", "passes", "actions": [{"sh", "rc", "err"}],
 [{"p", "cut", "salt", "tag", "pass", "prompt_tokens", "tokens", "top", "cached", "seconds",
 "ttft_s", "first_token_s"}]}``: ``seconds`` (= ``ttft_s`` with ``max_tokens: 1``) is the wall time
 of the request's ``generate`` call, ``first_token_s`` vLLM's own time from the request's arrival
-to its first token (with ``log_stats``; else null), ``top`` the top-5 log-probabilities of each generated token (a
-comparison tells a near-tie that numerical noise flipped from a different answer).
+to its first token (with ``log_stats``; else null), ``top`` the top ``logprobs`` log-probabilities
+of each generated token (a comparison tells a near-tie that numerical noise flipped from a
+different answer).
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def _result(out: Any, seconds: float, prompt_tokens: int, step: dict[str, Any], 
             "pass": passes, "prompt_tokens": prompt_tokens, "tokens": list(comp.token_ids),
             "cached": out.num_cached_tokens or 0, "seconds": seconds, "ttft_s": seconds,
             "first_token_s": float(first) if first else None,
-            "top": [sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])[:5]
+            "top": [sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])
                     for pos in comp.logprobs or []]}
 
 
@@ -196,6 +199,15 @@ class _Runner:
     def step(self, step: dict[str, Any]) -> None:
         if step.get("reset"):
             assert self.llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+        elif "batch" in step:
+            params = self.params.clone()
+            params.max_tokens = step.get("max_tokens", params.max_tokens)
+            prompts = [{"prompt_token_ids": self.spec["prompts"][i]} for i in step["batch"]]
+            t0 = time.perf_counter()
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            self.results += [_result(o, time.perf_counter() - t0, len(p["prompt_token_ids"]),
+                                     {"p": i, "tag": step.get("tag")}, self.passes)
+                             for i, o, p in zip(step["batch"], outs, prompts, strict=True)]
         elif "sh" in step:
             proc = subprocess.run(step["sh"], shell=True, capture_output=True, text=True)
             self.actions.append({"sh": step["sh"], "rc": proc.returncode, "err": proc.stderr[-500:]})

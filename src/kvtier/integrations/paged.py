@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.codec import FLOAT_DTYPES, KVGeometry
+
 
 class LayoutError(ValueError):
     """A KV cache tensor whose blocks kvtier cannot address as byte runs."""
@@ -148,6 +150,8 @@ class PagedKV:
             raise LayoutError("no KV cache tensors")
         self.num_blocks = num_blocks
         self.device = layers[0].device
+        self.dtype = layers[0].dtype
+        """The engine's element type (``uint8`` for an fp8 cache)."""
         self.shards = heads if head_dims is not None else 1
         self.shard_runs: list[list[torch.Tensor]] = [[] for _ in range(self.shards)]
         self.layer_block_bytes: list[int] = []
@@ -168,6 +172,22 @@ class PagedKV:
         self.block_bytes = sum(self.layer_block_bytes)
         """Bytes of one block of one shard over all layers: a chunk of ``n`` blocks holds
         ``n * block_bytes``."""
+
+    def kv_geometry(self, layers: int, block_size: int, chunk_blocks: int) -> KVGeometry | None:
+        """Where K and V sit in a chunk of ``chunk_blocks`` blocks of one shard, for a KV codec:
+        rows of one head's ``head_size`` elements, a page per block for each of K and V, K before
+        V. One run per layer holds each block's K page then its V page (vLLM's CPU cache, the
+        ``[blocks, 2, ...]`` layouts); two runs per layer hold all K pages, then all V pages (the
+        K/V-major caches). None for pages that are not floating point (an fp8 cache)."""
+        dtype = self.dtype
+        if dtype not in FLOAT_DTYPES or len(self.runs) % layers or self.block_bytes % layers:
+            return None
+        elem = torch.empty((), dtype=dtype).element_size()
+        row_elems, rest = divmod(self.block_bytes // layers, 2 * block_size * elem)
+        if rest or not row_elems:
+            return None
+        return KVGeometry(layers, chunk_blocks, block_size, row_elems, dtype,
+                          interleaved=len(self.runs) // layers == 1)
 
     def _chunk_bytes(self, chunk: torch.Tensor, n_blocks: int) -> torch.Tensor:
         if not chunk.is_contiguous():

@@ -108,10 +108,12 @@ class DiskTier(TierBase):
         except OSError as exc:
             self.metrics.add(failed_writes=1)
             return StoreResult(Status.FAILED, str(exc))
+        # A coded chunk's file is smaller than spec.file_bytes: the budget counts what is on disk.
+        size = written or self.files.stat_size(chunk.id.key) or spec.file_bytes
         with self._lock:
             if chunk.id.key not in self._index:
-                self._index[chunk.id.key] = spec.file_bytes
-                self._bytes += spec.file_bytes
+                self._index[chunk.id.key] = size
+                self._bytes += size
         self.metrics.add(bytes_written=written, written_chunks=1 if written else 0)
         self.evict(self.capacity_bytes)
         return StoreResult(Status.WRITTEN if written else Status.EXISTS)

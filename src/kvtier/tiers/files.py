@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvtier.fileio import TMP_SUFFIX, fsync_dir, read_small, set_direct, write_atomic
-from kvtier.format import PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec
+from kvtier.format import ALIGN, PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
 from kvtier.metrics import TierMetrics
@@ -182,10 +182,9 @@ class ChunkFiles:
         final = self.path_for(chunk.id.key)
         if final.exists():
             return 0
-        payload = chunk.payload()
-        header = spec.header_for(chunk.id, payload).pack()
-        pad = spec.file_bytes - PAYLOAD_OFFSET - len(payload)
-        buffers: list[bytes | memoryview] = [header, payload, _ZEROS[:pad]]
+        head, payload = spec.stored(chunk.id, chunk.payload())  # coded here, on the writer's thread
+        size = file_bytes_for(head.payload_bytes)
+        buffers: list[bytes | memoryview] = [head.pack(), payload, _ZEROS[:size - PAYLOAD_OFFSET - len(payload)]]
         for attempt in range(SHARD_RACE_TRIES):
             try:
                 write_atomic(final, buffers, mode=self.file_mode, exact_mode=self.group_access, fsync=self.fsync)
@@ -205,7 +204,7 @@ class ChunkFiles:
         if self.fsync:
             fsync_dir(final.parent)
         self._presence.forget(chunk.id.key)
-        return spec.file_bytes
+        return size
 
     def _make_shard(self, shard: Path) -> None:
         """Create ``ROOT/ab/cd`` but never ROOT itself: a pool directory that vanished (an
@@ -267,26 +266,31 @@ class ChunkFiles:
             if not stat.S_ISREG(st.st_mode):
                 raise ChunkError(ChunkFault.NOT_A_FILE, f"{os.path.basename(path)}: mode {oct(st.st_mode)}")
             size = st.st_size
-            if size != spec.file_bytes:
+            coded = size != spec.file_bytes
+            if coded and not (PAYLOAD_OFFSET < size < spec.file_bytes and size % ALIGN == 0):  # nor a coded one
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
             cached = cached_bytes(fd) if self.direct_io or self._local else None
             from_cache = cached is not None and cached >= size
             direct = self._use_direct(fd, from_cache)
-            if pages is not None and from_cache and self._local:
+            if pages is not None and from_cache and self._local and not coded:
                 try:
                     read_in_place(fd, size, spec, cid, pages)
                     return None, st.st_mtime, True
                 except NotCached:  # dropped from the cache since the check: read it outside the gate
                     from_cache, direct = False, self._use_direct(fd, False)
-            buf = aligned_buffer(size) if into is None else into
-            view = buf.data
+            buf = aligned_buffer(spec.file_bytes) if into is None else into
+            # A coded file is read into a buffer of its own, then decoded into the payload region.
+            view = aligned_buffer(size).data if coded else buf.data
             fill(fd, view, direct)
         finally:
             os.close(fd)
-        spec.decode(view, cid)
-        dtype = DTYPES_BY_CODE[spec.dtype_code]
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
+        if coded:
+            spec.decode_coded(view, cid, data)
+        else:
+            spec.decode(view, cid)
+        dtype = DTYPES_BY_CODE[spec.dtype_code]
         return Chunk(cid, data.view(dtype).view(spec.shape)), st.st_mtime, from_cache and self._local
 
     def load(self, cid: ChunkId, spec: ChunkSpec, into: np.ndarray | None, metrics: TierMetrics,
@@ -311,6 +315,8 @@ class ChunkFiles:
             metrics.add(read_races=1)
             return LoadResult(Status.MISS)
         except ChunkError as exc:
+            if exc.fault is ChunkFault.UNKNOWN_CODEC:  # a newer kvtier's chunk: a miss, left for it
+                return LoadResult(Status.MISS, error=str(exc))
             try:
                 self.remove(cid.key)
             except OSError as rm_exc:

@@ -177,6 +177,13 @@ class WorkerRole:
         self.store = store
         if self.paged is not None:
             self.mover = PageMover(self.paged, store, self.blocks_per_chunk, thread_init=init)
+            if self.store_config.kv_codec != "none":
+                geometry = self.paged.kv_geometry(self.dep.num_layers, self.dep.block_size, self.blocks_per_chunk)
+                if geometry is None:
+                    log.warning("kvtier: kv_codec %s needs bfloat16, float16 or float32 KV pages (layout %s): "
+                                "chunks are stored as they are", self.store_config.kv_codec, self.dep.kv_format)
+                else:
+                    store.set_codec_geometry(geometry)
 
     def _usable(self) -> PageMover | None:
         return None if self.disabled or self.asleep else self.mover

@@ -1,0 +1,156 @@
+"""KV codecs: fewer bytes per token on the disk tier and in the pool (setting ``kv_codec``).
+
+``none`` stores the engine's bytes as they are; ``lossless`` (``codec.lossless``) splits each
+element's bytes into planes and compresses them with zstd; ``fp8`` and ``k8v4`` (``codec.quant``)
+quantize, with scales per group. Host DRAM always holds the engine's own bytes: a codec runs
+where a chunk is written to a file (the writer threads, off the engine's step) and where it is
+read back (the read threads).
+
+Contracts:
+
+* A chunk names its codec, the codec's version and its parameters in its header (``CodecRecord``),
+  so decoding needs nothing but the file. A chunk whose codec or version this kvtier does not
+  know is a miss (``UnknownCodec``), never an error, and is left in place for the instances that
+  can read it.
+* A lossy codec is part of the namespace (``namespace_tag``): an instance that asked for exact KV
+  never finds a lossy chunk. ``lossless`` is not: an instance with ``none`` reads ``lossless``
+  chunks and the other way round.
+* The payload checksum covers the stored (encoded) bytes; a payload that passes it but does not
+  decode is corrupt (``CodecDataError``).
+* A chunk that a codec would not make smaller by at least one 4 KiB file block is stored as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvtier.codec.geometry import FLOAT_DTYPES, GeometryError, KVGeometry
+from kvtier.codec.lossless import CodecDataError, Lossless
+from kvtier.codec.quant import K8V4, Fp8, Fp8Cast
+
+__all__ = ["CODECS", "FLOAT_DTYPES", "Codec", "CodecDataError", "CodecRecord", "Encoder", "GeometryError", "KVGeometry",
+           "UnknownCodec", "by_code", "decode_into", "encoder_for", "namespace_tag", "parse_codec"]
+
+
+class Codec(Protocol):
+    name: str
+    code: int
+    version: int
+    lossy: bool
+
+    def groups(self, geom: KVGeometry) -> tuple[int, int]: ...
+
+    def encode(self, raw: torch.Tensor, geom: KVGeometry) -> torch.Tensor: ...
+
+    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None: ...
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (Lossless(), Fp8(), K8V4(), Fp8Cast())}
+NAMES = ("none", *CODECS)
+
+
+class UnknownCodec(Exception):
+    """A chunk written with a codec (or codec version) this kvtier does not know: a miss."""
+
+
+def by_code(code: int, version: int) -> Codec:
+    for codec in CODECS.values():
+        if codec.code == code and codec.version == version:
+            return codec
+    raise UnknownCodec(f"codec {code} version {version}")
+
+
+def parse_codec(name: object) -> str:
+    """The setting's value, checked: one of ``NAMES``."""
+    value = str(name).strip().lower() if name is not None else "none"
+    if value not in NAMES:
+        raise ValueError(f"kv_codec: {name!r} is not one of {', '.join(NAMES)}")
+    return value
+
+
+def namespace_tag(name: str) -> str:
+    """What a codec adds to the namespace: ``name/version`` for a lossy one, "" otherwise."""
+    codec = CODECS.get(name)
+    return f"{codec.name}/{codec.version}" if codec is not None and codec.lossy else ""
+
+
+@dataclass(frozen=True)
+class CodecRecord:
+    """A coded chunk's header fields (``format.ChunkHeader.codec``): hostile until ``geometry``."""
+
+    code: int
+    version: int
+    dtype_code: int
+    interleaved: bool
+    k_group: int
+    v_group: int
+    layers: int
+    pages: int
+    rows: int
+    row_elems: int
+    raw_bytes: int
+
+    def geometry(self) -> KVGeometry:
+        """The geometry these fields state; GeometryError unless they are consistent."""
+        geom = KVGeometry.from_code(self.layers, self.pages, self.rows, self.row_elems, self.dtype_code,
+                                    self.interleaved)
+        if geom.raw_bytes != self.raw_bytes:
+            raise GeometryError(f"geometry of {geom.raw_bytes} bytes for a chunk of {self.raw_bytes}")
+        for group, dim in ((self.k_group, geom.tokens), (self.v_group, geom.row_elems)):
+            if group <= 0 or dim % group:
+                raise GeometryError(f"group {group} does not divide {dim}")
+        return geom
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """A pool's codec with the geometry of its chunks: what a writer needs to encode."""
+
+    codec: Codec
+    geometry: KVGeometry
+
+    def encode(self, raw: torch.Tensor) -> tuple[torch.Tensor, CodecRecord]:
+        """The stored payload of ``raw`` (a chunk's bytes, 1-d uint8) and its header record."""
+        geom, codec = self.geometry, self.codec
+        kg, vg = codec.groups(geom)
+        stored = codec.encode(raw.reshape(-1), geom)
+        return stored, CodecRecord(codec.code, codec.version, geom.dtype_code, geom.interleaved, kg, vg,
+                                   geom.layers, geom.pages, geom.rows, geom.row_elems, geom.raw_bytes)
+
+
+def encoder_for(name: str, dtype: torch.dtype, layers: int, heads: int, head_dim: int, chunk_tokens: int,
+                geometry: KVGeometry | None = None) -> Encoder | None:
+    """The encoder of a store whose setting is ``name``; None for ``none``, or while the chunks'
+    geometry is unknown (pages as bytes, before the engine integration states it: chunks are
+    then written as they are). Without ``geometry``, kvtier's canonical layout ``[layers, 2,
+    tokens, heads, head_dim]`` of ``dtype``."""
+    codec = CODECS.get(name)
+    if codec is None:
+        return None
+    if geometry is None:
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return None
+        geometry = KVGeometry(layers, 1, chunk_tokens * heads, head_dim, dtype, interleaved=False)
+    return Encoder(codec, geometry)
+
+
+def decode_into(record: CodecRecord, stored: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode ``stored`` into ``out`` (the chunk's bytes, 1-d uint8 of ``record.raw_bytes``).
+
+    Raises UnknownCodec for a codec this kvtier does not know, CodecDataError (a ValueError) when
+    the record or the bytes are inconsistent."""
+    codec = by_code(record.code, record.version)
+    try:
+        geom = record.geometry()
+    except GeometryError as exc:
+        raise CodecDataError(str(exc)) from exc
+    if out.numel() != record.raw_bytes:
+        raise CodecDataError(f"a buffer of {out.numel()} bytes for a chunk of {record.raw_bytes}")
+    sizes = getattr(codec, "sizes", None)
+    if sizes is not None and stored.numel() != sum(sizes(geom, record.k_group, record.v_group)):
+        raise CodecDataError(f"{stored.numel()} stored bytes; {codec.name} of this geometry stores "
+                             f"{sum(sizes(geom, record.k_group, record.v_group))}")
+    codec.decode(stored, geom, record.k_group, record.v_group, out)

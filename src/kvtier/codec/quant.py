@@ -1,0 +1,167 @@
+"""The lossy codecs, as torch operations on the device that holds the chunk (CPU or GPU).
+
+Each codec turns a chunk's raw bytes (``KVGeometry`` says where K and V are) into a stored
+payload of a size fixed by the geometry, and back. Sections are concatenated as bytes, in the
+order each class lists them. Every element is rebuilt from its own group's scale, so a stored
+payload decodes to finite values of the right shape whatever it holds (a checksum guards its
+bytes before a codec ever sees them).
+
+* ``fp8``: float8 e4m3 with power-of-two scales (one signed byte each, the exponent): keys per
+  channel over ``k_group`` (64) tokens, less the group's per-channel mean (bfloat16), values per
+  token over ``v_group`` (64) channels. A power of two only shifts the exponent, so the scale
+  adds no rounding; each group's largest value lands in (224, 448], and nothing is clipped
+  except non-finite input.
+* ``k8v4``: keys 8-bit, asymmetric, a float16 minimum and step per channel over ``k_group``
+  (128) tokens; values 4-bit, asymmetric, a float16 minimum and step per token over ``v_group``
+  (64) channels. Values past the float16 range are clamped to it.
+* ``fp8_cast``: the baseline LMCache ships: a plain cast to e4m3, no scale, nothing clamped
+  (values past +-448 become NaN). For comparison in ``benchmarks/codec_quality.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.codec.geometry import KVGeometry
+
+E4M3_MAX = 448.0
+FP16_MAX = 65504.0
+
+
+def _sections(stored: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(stored[at:at + n])
+        at += n
+    return out
+
+
+def _bytes(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+
+
+def _kv_float(raw: torch.Tensor, geom: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = geom.split(raw)
+    shape = (geom.layers, geom.tokens, geom.row_elems)
+    return k.reshape(shape).float(), v.reshape(shape).float()
+
+
+def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest e (int8) with amax / 2**e <= 448, or 0 for an all-zero group."""
+    _, e = torch.frexp(amax / E4M3_MAX)  # amax / 448 = m * 2**e, 0.5 <= m < 1
+    return torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-126, 126).to(torch.int8)
+
+
+class Fp8:
+    name, code, version, lossy = "fp8", 2, 1, True
+
+    @staticmethod
+    def groups(geom: KVGeometry) -> tuple[int, int]:
+        """(k_group, v_group): 64 tokens per key scale, 64 channels per value scale, or fewer
+        where a chunk or a row holds fewer (each divides its dimension)."""
+        return _divisor(geom.tokens, 64), _divisor(geom.row_elems, 64)
+
+    def sizes(self, geom: KVGeometry, kg: int, vg: int) -> list[int]:
+        n = geom.layers * geom.tokens * geom.row_elems
+        return [n, n, n // kg, 2 * (n // kg), n // vg]
+
+    def encode(self, raw: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
+        kg, vg = self.groups(geom)
+        k, v = _kv_float(raw, geom)
+        L, T, C = k.shape
+        kx = k.view(L, T // kg, kg, C).nan_to_num(posinf=FP16_MAX, neginf=-FP16_MAX)
+        # Keys carry a large per-channel offset: code each key's distance from its channel's
+        # mean, so the 3 mantissa bits describe what varies between tokens.
+        km = kx.mean(dim=2, keepdim=True).to(torch.bfloat16)
+        kr = kx - km.float()
+        ke = _pow2_exponent(kr.abs().amax(dim=2, keepdim=True))
+        kq = torch.ldexp(kr, -ke.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        vx = v.view(L, T, C // vg, vg)
+        ve = _pow2_exponent(vx.abs().nan_to_num(posinf=E4M3_MAX).amax(dim=3, keepdim=True))
+        vq = torch.ldexp(vx, -ve.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return _bytes(kq, vq, ke, km, ve)
+
+    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
+        L, T, C = geom.layers, geom.tokens, geom.row_elems
+        kq, vq, ke, km, ve = _sections(stored, self.sizes(geom, kg, vg))
+        k = torch.ldexp(kq.view(torch.float8_e4m3fn).float().view(L, T // kg, kg, C),
+                        ke.view(torch.int8).float().view(L, T // kg, 1, C)) + \
+            km.view(torch.bfloat16).float().view(L, T // kg, 1, C)
+        v = torch.ldexp(vq.view(torch.float8_e4m3fn).float().view(L, T, C // vg, vg),
+                        ve.view(torch.int8).float().view(L, T, C // vg, 1))
+        geom.join(out, k.to(geom.dtype), v.to(geom.dtype))
+
+
+class K8V4:
+    name, code, version, lossy = "k8v4", 3, 1, True
+
+    @staticmethod
+    def groups(geom: KVGeometry) -> tuple[int, int]:
+        return _divisor(geom.tokens, 128), _divisor(geom.row_elems, 64)
+
+    def sizes(self, geom: KVGeometry, kg: int, vg: int) -> list[int]:
+        n = geom.layers * geom.tokens * geom.row_elems
+        return [n, 2 * (n // kg), 2 * (n // kg), (n + 1) // 2, 2 * (n // vg), 2 * (n // vg)]
+
+    def encode(self, raw: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
+        kg, vg = self.groups(geom)
+        k, v = _kv_float(raw, geom)
+        L, T, C = k.shape
+        kq, klo, kstep = _uniform(k.view(L, T // kg, kg, C), 2, 255)
+        vq, vlo, vstep = _uniform(v.view(L, T, C // vg, vg), 3, 15)
+        vq = vq.view(-1)
+        if vq.numel() % 2:
+            vq = torch.cat([vq, vq.new_zeros(1)])
+        return _bytes(kq, klo, kstep, vq[0::2] | (vq[1::2] << 4), vlo, vstep)
+
+    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
+        L, T, C = geom.layers, geom.tokens, geom.row_elems
+        kq, klo, kstep, packed, vlo, vstep = _sections(stored, self.sizes(geom, kg, vg))
+        k = _dequant(kq.view(L, T // kg, kg, C), klo, kstep, (L, T // kg, 1, C))
+        q = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:L * T * C]
+        v = _dequant(q.view(L, T, C // vg, vg), vlo, vstep, (L, T, C // vg, 1))
+        geom.join(out, k.to(geom.dtype), v.to(geom.dtype))
+
+
+def _uniform(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric uniform codes 0..levels of ``x`` over ``dim``, with a float16 minimum and step
+    per group; the codes are taken from the stored (rounded) minimum and step, so decoding gives
+    what was measured here. Values past the float16 range are clamped to it."""
+    x = x.nan_to_num(posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
+    lo = x.amin(dim=dim, keepdim=True).to(torch.float16)
+    span = x.amax(dim=dim, keepdim=True) - lo.float()
+    # A hair over span / levels: the step is rounded to float16 and must still reach the maximum.
+    step = torch.where(span > 0, span / (levels - 0.02), torch.ones_like(span)).clamp(max=FP16_MAX).to(torch.float16)
+    q = torch.round((x - lo.float()) / step.float()).clamp(0, levels).to(torch.uint8)
+    return q, lo, step
+
+
+def _dequant(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Codes ``q`` back to values; ``lo`` and ``step`` are their float16 sections as bytes."""
+    return q.float() * step.view(torch.float16).float().view(shape) + lo.view(torch.float16).float().view(shape)
+
+
+class Fp8Cast:
+    name, code, version, lossy = "fp8_cast", 4, 1, True
+
+    @staticmethod
+    def groups(geom: KVGeometry) -> tuple[int, int]:
+        return 1, 1
+
+    def sizes(self, geom: KVGeometry, kg: int, vg: int) -> list[int]:
+        return [geom.elements]
+
+    def encode(self, raw: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
+        geom.split(raw)  # checks the size
+        return raw.view(geom.dtype).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
+        out.view(geom.dtype).copy_(stored.view(torch.float8_e4m3fn).to(geom.dtype))
+
+
+def _divisor(n: int, most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``most``."""
+    for d in range(min(n, most), 0, -1):
+        if n % d == 0:
+            return d
+    return 1

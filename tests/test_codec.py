@@ -1,0 +1,158 @@
+"""KV codecs (``kvtier.codec``): round trips, sizes, bounds, hostile headers and the store's use of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier import KVLayout, TieredStore
+from kvtier.codec import CODECS, CodecDataError, CodecRecord, Encoder, KVGeometry, decode_into, namespace_tag
+from kvtier.config import load_settings
+from kvtier.format import _CHECK, CODEC_RECORD_END, HEADER_STRUCT_BYTES, unpack_header
+
+GEOMS = [KVGeometry(3, 2, 16, 64, torch.bfloat16, interleaved=True),
+         KVGeometry(2, 1, 256, 64, torch.float16, interleaved=False),
+         KVGeometry(1, 3, 8, 24, torch.float32, interleaved=True)]
+
+
+def kv_like(geom: KVGeometry, seed: int = 0) -> torch.Tensor:
+    """Keys with per-channel offsets and an outlier channel, values of varying scale per token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(geom.elements, generator=g).view(geom.layers, -1, geom.row_elems)
+    x = x + torch.randn(1, 1, geom.row_elems, generator=g) * 4
+    x[..., 0] *= 40
+    return x.reshape(-1).to(geom.dtype).view(torch.uint8).clone()
+
+
+def round_trip(name: str, geom: KVGeometry, raw: torch.Tensor) -> tuple[torch.Tensor, int]:
+    stored, record = Encoder(CODECS[name], geom).encode(raw)
+    out = torch.empty_like(raw)
+    decode_into(record, stored, out)
+    return out.view(geom.dtype).float(), stored.numel()
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=["bf16-interleaved", "fp16-split", "fp32-odd"])
+def test_lossless_is_exact_and_lossy_codecs_stay_within_their_precision(geom: KVGeometry) -> None:
+    raw = kv_like(geom)
+    x = raw.view(geom.dtype).float()
+    got, _ = round_trip("lossless", geom, raw)
+    assert torch.equal(got.view(torch.int32) if geom.dtype == torch.float32 else got, x.view(torch.int32)
+                       if geom.dtype == torch.float32 else x)
+    k, v = (t.reshape(geom.layers, geom.tokens, geom.row_elems).float() for t in geom.split(raw))
+    for name, k_tol, v_tol in (("fp8", 1 / 16, 1 / 16), ("k8v4", 1 / 250, 1 / 14)):
+        out = torch.empty_like(raw)
+        stored, record = Encoder(CODECS[name], geom).encode(raw)
+        decode_into(record, stored, out)
+        ko, vo = (t.reshape(k.shape).float() for t in geom.split(out))
+        # fp8: each element within half a unit of its 3-bit mantissa of the group's largest
+        # magnitude (keys: of their distance from the channel mean); k8v4: within one code step.
+        k_span = (k.amax(dim=1, keepdim=True) - k.amin(dim=1, keepdim=True))
+        v_span = (v.amax(dim=2, keepdim=True) - v.amin(dim=2, keepdim=True))
+        assert ((ko - k).abs() <= k_span * k_tol + 1e-2).all(), name
+        assert ((vo - v).abs() <= v_span * v_tol + 1e-2).all(), name
+
+
+@pytest.mark.parametrize("name,least", [("fp8", 1.9), ("k8v4", 2.5), ("fp8_cast", 2.0)])
+def test_lossy_codecs_store_the_sizes_they_promise(name: str, least: float) -> None:
+    geom = KVGeometry(30, 2, 128, 64, torch.bfloat16, interleaved=True)  # SmolLM2's head shard, 256 tokens
+    _, stored = round_trip(name, geom, kv_like(geom))
+    assert geom.raw_bytes / stored >= least
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["fp8", "k8v4"]), st.floats(1e-6, 1e6))
+def test_any_finite_kv_decodes_to_finite_values_near_it(seed: int, name: str, scale: float) -> None:
+    """Within 10% of the largest magnitude; k8v4 clamps what float16 cannot hold (|x| > 65504)."""
+    geom = GEOMS[0]
+    raw = (kv_like(geom, seed).view(geom.dtype).float() * scale).to(geom.dtype).view(torch.uint8)
+    got, _ = round_trip(name, geom, raw)
+    x = raw.view(geom.dtype).float()
+    if name == "k8v4":
+        x = x.clamp(-65504, 65504)
+    assert torch.isfinite(got).all()
+    assert (got - x).abs().max() <= 0.1 * x.abs().max()
+
+
+def test_a_record_that_lies_about_its_geometry_is_a_codec_error_not_a_crash() -> None:
+    geom = GEOMS[0]
+    raw = kv_like(geom)
+    stored, record = Encoder(CODECS["fp8"], geom).encode(raw)
+    fields = record.__dict__
+    for change in ({"k_group": 7}, {"v_group": 0}, {"layers": 4}, {"raw_bytes": record.raw_bytes + 2},
+                   {"dtype_code": 99}, {"row_elems": 2**31 - 1}):
+        bad = CodecRecord(**{**fields, **change})
+        with pytest.raises(CodecDataError):
+            decode_into(bad, stored, torch.empty_like(raw))
+    with pytest.raises(CodecDataError):  # stored bytes of the wrong length
+        decode_into(record, stored[:-1], torch.empty_like(raw))
+    with pytest.raises(CodecDataError):  # zstd garbage
+        _, lossless = Encoder(CODECS["lossless"], geom).encode(raw)
+        decode_into(lossless, torch.zeros(100, dtype=torch.uint8), torch.empty_like(raw))
+
+
+def test_lossy_codecs_have_a_namespace_of_their_own_and_lossless_shares_exact_kvs() -> None:
+    layout = KVLayout(2, 1, 64)
+    digests = {c: load_settings({"model_id": "m", "layout": layout, "kv_codec": c}).namespace().digest
+               for c in ("none", "lossless", "fp8", "k8v4")}
+    assert digests["none"] == digests["lossless"]
+    assert len({digests["none"], digests["fp8"], digests["k8v4"]}) == 3
+    assert namespace_tag("fp8") == "fp8/1" and namespace_tag("lossless") == ""
+    with pytest.raises(ValueError, match="kv_codec"):
+        load_settings({"model_id": "m", "layout": layout, "kv_codec": "zip"})
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvt"))
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "k8v4"])
+def test_the_store_writes_smaller_files_and_reads_them_back(tmp_path: Path, codec: str) -> None:
+    layout = KVLayout(4, 2, 64, torch.bfloat16)
+    tokens = list(range(512))
+    kv = torch.randn(layout.shape(512)).to(torch.bfloat16)
+    sizes = {}
+    for name in ("none", codec):
+        cfg = load_settings({"model_id": "m", "layout": layout, "host_bytes": 0, "disk_path": str(tmp_path / name),
+                             "kv_codec": name})
+        with TieredStore(cfg) as store:
+            store.put(tokens, kv)
+            store.flush()
+        with TieredStore(cfg) as store:
+            got = store.get(tokens)
+            assert got is not None and got.shape == kv.shape
+            assert store.tiers[0].metrics.snapshot().corrupt_chunks == 0
+            if name != "fp8" and name != "k8v4":
+                assert torch.equal(got, kv)
+            else:
+                assert (got.float() - kv.float()).abs().max() < 0.5
+            assert store.tiers[0].metrics.snapshot().bytes > 0
+        sizes[name] = sum(f.stat().st_size for f in chunk_files(tmp_path / name))
+    assert sizes[codec] < sizes["none"] * (0.9 if codec == "lossless" else 0.55)
+
+
+def test_a_chunk_of_an_unknown_codec_is_a_miss_and_stays_for_the_instances_that_read_it(tmp_path: Path) -> None:
+    layout = KVLayout(2, 1, 64, torch.bfloat16)
+    cfg = load_settings({"model_id": "m", "layout": layout, "host_bytes": 0, "disk_path": str(tmp_path),
+                         "kv_codec": "lossless"})
+    tokens = list(range(256))
+    with TieredStore(cfg) as store:
+        store.put(tokens, torch.randn(layout.shape(256)).to(torch.bfloat16))
+        store.flush()
+    (path,) = chunk_files(tmp_path)
+    image = bytearray(path.read_bytes())
+    header = unpack_header(bytes(image[:4096]))
+    assert header.codec is not None
+    image[HEADER_STRUCT_BYTES:HEADER_STRUCT_BYTES + 2] = (77).to_bytes(2, "little")  # a newer kvtier's codec
+    record = bytes(image[HEADER_STRUCT_BYTES - 8:CODEC_RECORD_END - 8])
+    image[CODEC_RECORD_END - 8:CODEC_RECORD_END] = _CHECK.pack(xxhash.xxh3_64_intdigest(record))
+    path.write_bytes(bytes(image))
+    with TieredStore(cfg) as store:
+        with pytest.raises(KeyError, match="0 of 1"):
+            store.get(tokens)
+        assert store.tiers[0].metrics.snapshot().corrupt_chunks == 0
+    assert path.exists()
