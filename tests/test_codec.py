@@ -156,3 +156,66 @@ def test_a_chunk_of_an_unknown_codec_is_a_miss_and_stays_for_the_instances_that_
             store.get(tokens)
         assert store.tiers[0].metrics.snapshot().corrupt_chunks == 0
     assert path.exists()
+
+
+def test_the_e4m3_table_decodes_every_code_as_torchs_float8_conversion() -> None:
+    from kvtier.codec.quant import _e4m3
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    got = _e4m3(codes)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+def test_pool_verify_checks_coded_chunks_and_finds_them_whole(tmp_path: Path) -> None:
+    from _pool import new_pool
+    from kvtier import admin
+
+    layout = KVLayout(2, 2, 64, torch.bfloat16)
+    url = new_pool(tmp_path / "pool")
+    cfg = load_settings({"model_id": "m", "layout": layout, "host_bytes": 0, "pool_url": url, "kv_codec": "fp8"})
+    with TieredStore(cfg) as store:
+        store.put(list(range(1024)), torch.randn(layout.shape(1024)).to(torch.bfloat16))
+        store.flush()
+    report = admin.verify(tmp_path / "pool")
+    assert report.checked == 4 and report.ok == 4, report.bad
+    (first, *_) = chunk_files(tmp_path / "pool")
+    image = bytearray(first.read_bytes())
+    image[5000] ^= 1  # a flipped bit in the stored (coded) payload
+    first.write_bytes(bytes(image))
+    report = admin.verify(tmp_path / "pool")
+    assert [b["fault"] for b in report.bad] == ["payload_checksum"]
+
+
+def test_auto_codes_a_tier_only_while_its_measured_rates_say_decoding_pays(tmp_path: Path) -> None:
+    """``auto`` shares fp8's namespace; a slow tier (the defaults: a network filesystem's rate)
+    gets fp8 files, and once its reads are measured faster than decoding saves, the engine's
+    bytes; an fp8 instance reads both."""
+    from kvtier.codec import CodecRates
+
+    rates = CodecRates()
+    assert rates.worth_coding(1.94)  # nothing measured: a network filesystem, one decoding core
+    rates.observe_decode(10**9, 1.0)
+    rates.observe_read(10**9, 0.1)  # 10 GB/s: a page cache
+    assert not rates.worth_coding(1.94)
+    layout = KVLayout(2, 2, 64, torch.bfloat16)
+    cfg = {"model_id": "m", "layout": layout, "host_bytes": 0, "disk_path": str(tmp_path)}
+    namespaces = {c: load_settings({**cfg, "kv_codec": c}).namespace().digest for c in ("auto", "fp8")}
+    assert namespaces["auto"] == namespaces["fp8"]
+    kv = torch.randn(layout.shape(512)).to(torch.bfloat16)
+    with TieredStore(load_settings({**cfg, "kv_codec": "auto"})) as store:
+        store.put(list(range(256)), kv[:, :, :256])
+        store.flush()
+        files = store.tiers[0].files  # type: ignore[attr-defined]
+        files.codec_rates.observe_decode(10**9, 1.0)
+        for _ in range(30):
+            files.codec_rates.observe_read(10**9, 0.1)
+        store.put(list(range(512)), kv)
+        store.flush()
+    sizes = sorted(f.stat().st_size for f in chunk_files(tmp_path))
+    assert len(sizes) == 2 and sizes[0] < 0.6 * sizes[1]  # the first chunk coded, the second not
+    with TieredStore(load_settings({**cfg, "kv_codec": "fp8"})) as store:
+        got = store.get(list(range(512)))
+        assert torch.equal(got[:, :, 256:], kv[:, :, 256:])  # the uncoded chunk: exact
+        assert (got[:, :, :256].float() - kv[:, :, :256].float()).abs().max() < 0.5

@@ -173,3 +173,28 @@ def test_generated_workloads_and_default_configs() -> None:
     assert [(c.name, c.tiers, c.instances) for c in default_configs(hw, 4)] == [
         ("recompute", (), 1), ("host-dram", ("host",), 1), ("local-disk", ("host", "disk"), 1),
         ("shared-pool", ("host", "pool"), 1), ("shared-pool-x4", ("host", "pool"), 4)]
+
+
+def test_a_kv_codec_gives_persistent_tiers_its_capacity_and_its_rates_but_not_host_dram() -> None:
+    from kvtier.plan.codecs import FIGURES, apply
+    from kvtier.plan.presets import SEED_HARDWARE
+
+    coded = apply(SEED_HARDWARE, "fp8", threads=4)
+    fig = FIGURES["fp8"]
+    for name in ("disk", "pool"):
+        before, after = SEED_HARDWARE["tiers"][name], coded["tiers"][name]
+        assert after["capacity_bytes"] == int(before["capacity_bytes"] * fig.ratio)
+        read = 1 / (1 / (fig.ratio * before["read_bytes_per_s"]) + 1 / (4 * fig.decode_bytes_per_s))
+        assert after["read_bytes_per_s"] == pytest.approx(read)
+    assert coded["tiers"]["host"] == SEED_HARDWARE["tiers"]["host"]
+    hardware_from_dict(coded)  # still a valid hardware description
+    with pytest.raises(ValueError, match="kv-codec"):
+        apply(SEED_HARDWARE, "zip")
+
+
+def test_plan_with_a_codec_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--preset", "seed", "--concurrency", "16", "--kv-codec", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_codec"]["name"] == "fp8"
+    pool = [r for r in out["rows"] if r["config"] == "shared-pool"]
+    assert pool and pool[0]["ttft_p50_s"] > 0

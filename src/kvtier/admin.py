@@ -37,10 +37,10 @@ from kvtier.metrics import TierMetrics
 from kvtier.threads import executor
 from kvtier.tiers.evict import LOG_BATCH
 from kvtier.tiers.evictlog import EvictionLog
-from kvtier.tiers.files import MARKER, ChunkFiles
+from kvtier.tiers.files import MARKER, NAMESPACE_MAX_BYTES, ChunkFiles
 from kvtier.tiers.folds import anchor, fold_dead, remove_orphans
 from kvtier.tiers.ledger import read_usage
-from kvtier.tiers.listing import SCAN_THREADS, listed
+from kvtier.tiers.listing import SCAN_THREADS, described_namespaces, listed
 from kvtier.tiers.poollock import PoolLocks
 from kvtier.tiers.poolroot import init_pool, read_budget, set_budget
 
@@ -179,7 +179,7 @@ def stats(path: str | os.PathLike[str]) -> PoolStats:
     files = open_existing(path)
     out = PoolStats(str(files.root), budget_bytes=read_budget(files.root))
     now = time.time()
-    described = files.namespaces()
+    described = described_namespaces(files.root, NAMESPACE_MAX_BYTES)
     for f in files.scan():
         out.chunks += 1
         out.bytes += f.size

@@ -37,7 +37,9 @@ from kvtier.format import ChunkFault
 from kvtier.identity import content_digest, has_weights
 from kvtier.keys import FORMAT_VERSION
 from kvtier.layout import DTYPES_BY_CODE
+from kvtier.tiers.files import NAMESPACE_MAX_BYTES
 from kvtier.tiers.ledger import read_usage
+from kvtier.tiers.listing import described_namespaces
 
 SKEW_WARN_S = 5.0
 UNREADABLE = "unreadable"  # sampled files this user may not read (their namespace is unknown)
@@ -159,7 +161,7 @@ def diagnose(path: str | os.PathLike[str], settings: Mapping[str, Any] | None = 
     files = open_existing(path)
     root = files.root
     report = DoctorReport(str(root), stated=stated_fields(settings or {}))
-    described = files.namespaces()
+    described = described_namespaces(files.root, NAMESPACE_MAX_BYTES)
     seen, dirs, complete = _sample(root, sample_files, random.Random(seed))
     report.sampled_dirs, report.complete_scan = dirs, complete
     report.sampled_files = sum(n for n, _, _ in seen.values())

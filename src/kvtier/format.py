@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvtier.codec import CodecDataError, CodecRecord, Encoder, UnknownCodec, by_code, decode_into
+from kvtier.codec import CodecDataError, CodecRates, CodecRecord, Encoder, UnknownCodec, by_code, decode_into
 from kvtier.keys import DIGEST_BYTES, FORMAT_VERSION, ChunkId, ChunkKey
 
 MAGIC = b"KVTIER\r\n"
@@ -195,10 +195,12 @@ class ChunkSpec:
         """Size of an uncoded chunk file: the largest a file of this spec can be."""
         return file_bytes_for(self.payload_bytes)
 
-    def stored(self, chunk: ChunkId, payload: memoryview) -> tuple[ChunkHeader, bytes | memoryview]:
+    def stored(self, chunk: ChunkId, payload: memoryview,
+               rates: CodecRates | None = None) -> tuple[ChunkHeader, bytes | memoryview]:
         """The header and payload bytes a file of ``chunk`` holds: coded with ``encoder`` when
-        that saves at least one 4 KiB file block, else ``payload`` itself."""
-        if self.encoder is not None:
+        that saves at least one 4 KiB file block (and, for ``auto``, when the tier's ``rates``
+        say it pays), else ``payload`` itself."""
+        if self.encoder is not None and self.encoder.worth_coding(rates):
             coded, record = self.encoder.encode(torch.frombuffer(payload, dtype=torch.uint8))
             if file_bytes_for(coded.numel()) < self.file_bytes:
                 data = coded.cpu().numpy().data

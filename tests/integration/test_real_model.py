@@ -188,3 +188,35 @@ def test_preempted_sessions_reload_their_prompts_in_the_background_and_answer_as
     assert sched["resumed_loads"] > 0 and sched["async_loads"] > 0  # rescheduled sessions loaded from kvtier
     assert worker["loaded_tokens"] == sched["matched_tokens"] > 0 and worker["failed_blocks"] == 0
     assert [r["tokens"] for r in got] == [r["tokens"] for r in under_pressure["plain"]]
+
+
+@pytest.mark.parametrize("codec,least", [("lossless", 1.2), ("fp8", 1.9), ("k8v4", 2.4)])
+def test_a_session_resumes_through_each_kv_codec(real_model: Path, tokenizer: Any, tmp_path: Path, codec: str,
+                                                 least: float) -> None:
+    """One engine answers a session (saving it to its disk tier through the codec), forgets it
+    (vLLM's prefix cache emptied, no host DRAM) and answers it again from the coded files: every
+    block loaded and none rejected, files that many times smaller, and the answer of a fresh
+    prefill: exactly (up to vLLM's own one-bf16-step ties) for ``lossless``; for a lossy codec,
+    the fresh answer's first token still the resumed engine's choice or within one nat of it."""
+    from kvtier.bench.coding import sessions
+    from kvtier.format import unpack_header
+
+    (prompt,) = [s.prompt for s in sessions(tokenizer, 1, 1200, first=2)]
+    connector = {"host_bytes": 0, "disk_path": str(tmp_path / "disk"), "kv_codec": codec, **ALWAYS}
+    (fresh, resumed), metrics = _runs.run_engine(real_model, tmp_path, codec, [prompt], connector, max_tokens=8,
+                                                 plan=[{"p": 0}, {"reset": True}, {"p": 0}])
+    assert resumed["cached"] == own_cache_hit(prompt) > 0
+    worker = metrics["worker"]
+    assert worker["connector"]["loaded_tokens"] == resumed["cached"] and worker["connector"]["failed_blocks"] == 0
+    assert all(t["corrupt_chunks"] == 0 for t in worker["tiers"].values())
+    files = sorted((tmp_path / "disk").rglob("*.kvt"))
+    assert files
+    for path in files:
+        header = unpack_header(path.read_bytes()[:4096])
+        assert header.codec is not None and header.codec.raw_bytes / header.payload_bytes >= least, path
+    if codec == "lossless":
+        assert same_answer(resumed, fresh, REAL_TIE_NATS), first_difference(resumed, fresh)
+    else:
+        top = {int(t): lp for t, lp in resumed["top"][0]}
+        first = fresh["tokens"][0]
+        assert first in top and max(top.values()) - top[first] < 1.0, (first, resumed["top"][0][:3])

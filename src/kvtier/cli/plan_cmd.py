@@ -52,6 +52,12 @@ def add_parser(sub: Any) -> None:
     h.add_argument("--probe", default=None, help="`kvtier probe --json` output: read/write bandwidth of --probe-tier")
     h.add_argument("--probe-tier", default="disk", help="tier the probe measured (default disk)")
     h.add_argument("--instances", type=int, default=None, help="instances sharing the pool (adds shared-pool-xN)")
+    h.add_argument("--kv-codec", default=None, choices=("lossless", "fp8", "k8v4"),
+                   help="the disk tier and the pool store KV through this codec: more tokens in their bytes, "
+                        "read and written at the device's and the codec's rates together (docs/codecs.md)")
+    h.add_argument("--codec-ratio", type=float, default=None,
+                   help="with --kv-codec: how many times smaller it stores KV (default: measured on SmolLM2)")
+    h.add_argument("--codec-threads", type=int, default=2, help="with --kv-codec: cores that code (default 2)")
     o = p.add_argument_group("output")
     o.add_argument("--check", default=None, metavar="BENCH_DIR",
                    help="calibrate on one concurrency level of BENCH_DIR, predict every other cell of that run, "
@@ -119,6 +125,11 @@ def _hardware(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
         data = {**data, "instances": args.instances}
     if not data:
         raise ValueError("no hardware figures: give --hardware FILE, --calibrate BENCH_DIR or --preset seed")
+    if args.kv_codec:
+        from kvtier.plan.codecs import apply
+
+        data = apply(data, args.kv_codec, args.codec_threads, args.codec_ratio)
+        info["kv_codec"] = {"name": args.kv_codec, "threads": args.codec_threads, "ratio": args.codec_ratio}
     return _model(args, model), hardware_from_dict(data), info
 
 

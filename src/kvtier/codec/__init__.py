@@ -2,7 +2,8 @@
 
 ``none`` stores the engine's bytes as they are; ``lossless`` (``codec.lossless``) splits each
 element's bytes into planes and compresses them with zstd; ``fp8`` and ``k8v4`` (``codec.quant``)
-quantize, with scales per group. Host DRAM always holds the engine's own bytes: a codec runs
+quantize, with scales per group; ``auto`` codes with ``fp8`` only on tiers where that reads back
+sooner (``codec.rates``). Host DRAM always holds the engine's own bytes: a codec runs
 where a chunk is written to a file (the writer threads, off the engine's step) and where it is
 read back (the read threads).
 
@@ -30,9 +31,26 @@ import torch
 from kvtier.codec.geometry import FLOAT_DTYPES, GeometryError, KVGeometry
 from kvtier.codec.lossless import CodecDataError, Lossless
 from kvtier.codec.quant import K8V4, Fp8, Fp8Cast
+from kvtier.codec.rates import CodecRates
 
-__all__ = ["CODECS", "FLOAT_DTYPES", "Codec", "CodecDataError", "CodecRecord", "Encoder", "GeometryError", "KVGeometry",
-           "UnknownCodec", "by_code", "decode_into", "encoder_for", "namespace_tag", "parse_codec"]
+__all__ = [
+    "AUTO",
+    "CODECS",
+    "FLOAT_DTYPES",
+    "Codec",
+    "CodecDataError",
+    "CodecRates",
+    "CodecRecord",
+    "Encoder",
+    "GeometryError",
+    "KVGeometry",
+    "UnknownCodec",
+    "by_code",
+    "decode_into",
+    "encoder_for",
+    "namespace_tag",
+    "parse_codec",
+]
 
 
 class Codec(Protocol):
@@ -49,7 +67,10 @@ class Codec(Protocol):
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (Lossless(), Fp8(), K8V4(), Fp8Cast())}
-NAMES = ("none", *CODECS)
+AUTO = "auto"
+"""``fp8`` where a tier's measured rates say decoding costs less than the bytes it saves, the
+engine's bytes elsewhere (``codec.rates``); its namespace is ``fp8``'s."""
+NAMES = ("none", *CODECS, AUTO)
 
 
 class UnknownCodec(Exception):
@@ -73,7 +94,7 @@ def parse_codec(name: object) -> str:
 
 def namespace_tag(name: str) -> str:
     """What a codec adds to the namespace: ``name/version`` for a lossy one, "" otherwise."""
-    codec = CODECS.get(name)
+    codec = CODECS.get("fp8" if name == AUTO else name)
     return f"{codec.name}/{codec.version}" if codec is not None and codec.lossy else ""
 
 
@@ -111,6 +132,13 @@ class Encoder:
 
     codec: Codec
     geometry: KVGeometry
+    adaptive: bool = False
+    """``auto``: each tier codes a chunk only while its rates say it pays (``worth_coding``)."""
+    ratio: float = 1.94
+    """What the codec saves, about (``auto``'s rule); measured on SmolLM2's KV for fp8."""
+
+    def worth_coding(self, rates: CodecRates | None) -> bool:
+        return not self.adaptive or rates is None or rates.worth_coding(self.ratio)
 
     def encode(self, raw: torch.Tensor) -> tuple[torch.Tensor, CodecRecord]:
         """The stored payload of ``raw`` (a chunk's bytes, 1-d uint8) and its header record."""
@@ -127,14 +155,14 @@ def encoder_for(name: str, dtype: torch.dtype, layers: int, heads: int, head_dim
     geometry is unknown (pages as bytes, before the engine integration states it: chunks are
     then written as they are). Without ``geometry``, kvtier's canonical layout ``[layers, 2,
     tokens, heads, head_dim]`` of ``dtype``."""
-    codec = CODECS.get(name)
+    codec = CODECS.get("fp8" if name == AUTO else name)
     if codec is None:
         return None
     if geometry is None:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return None
         geometry = KVGeometry(layers, 1, chunk_tokens * heads, head_dim, dtype, interleaved=False)
-    return Encoder(codec, geometry)
+    return Encoder(codec, geometry, adaptive=name == AUTO)
 
 
 def decode_into(record: CodecRecord, stored: torch.Tensor, out: torch.Tensor) -> None:

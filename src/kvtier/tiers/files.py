@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.fileio import TMP_SUFFIX, fsync_dir, read_small, set_direct, write_atomic
+from kvtier.codec import CodecRates
+from kvtier.fileio import TMP_SUFFIX, fsync_dir, set_direct, write_atomic
 from kvtier.format import ALIGN, PAYLOAD_OFFSET, ChunkError, ChunkFault, ChunkSpec, file_bytes_for
 from kvtier.keys import ChunkId, ChunkKey
 from kvtier.layout import DTYPES_BY_CODE
@@ -85,6 +86,8 @@ class ChunkFiles:
         self._presence = Presence()
         self.lookup_stats = self._presence.stats
         """File-metadata calls made by lookups (``leading_present``)."""
+        self.codec_rates = CodecRates()
+        """This directory's read and decode rates, learnt from its reads (``kv_codec: auto``)."""
         if create:
             self._ensure_root()
 
@@ -182,7 +185,7 @@ class ChunkFiles:
         final = self.path_for(chunk.id.key)
         if final.exists():
             return 0
-        head, payload = spec.stored(chunk.id, chunk.payload())  # coded here, on the writer's thread
+        head, payload = spec.stored(chunk.id, chunk.payload(), self.codec_rates)  # coded on the writer's thread
         size = file_bytes_for(head.payload_bytes)
         buffers: list[bytes | memoryview] = [head.pack(), payload, _ZEROS[:size - PAYLOAD_OFFSET - len(payload)]]
         for attempt in range(SHARD_RACE_TRIES):
@@ -275,19 +278,25 @@ class ChunkFiles:
             direct = self._use_direct(fd, from_cache)
             if pages is not None and from_cache and self._local and not coded:
                 try:
+                    t0 = time.perf_counter()
                     read_in_place(fd, size, spec, cid, pages)
+                    self.codec_rates.observe_read(size, time.perf_counter() - t0)
                     return None, st.st_mtime, True
                 except NotCached:  # dropped from the cache since the check: read it outside the gate
                     from_cache, direct = False, self._use_direct(fd, False)
             buf = aligned_buffer(spec.file_bytes) if into is None else into
             # A coded file is read into a buffer of its own, then decoded into the payload region.
             view = aligned_buffer(size).data if coded else buf.data
+            t0 = time.perf_counter()
             fill(fd, view, direct)
+            self.codec_rates.observe_read(size, time.perf_counter() - t0)
         finally:
             os.close(fd)
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
         if coded:
+            t0 = time.perf_counter()
             spec.decode_coded(view, cid, data)
+            self.codec_rates.observe_decode(spec.payload_bytes, time.perf_counter() - t0)
         else:
             spec.decode(view, cid)
         dtype = DTYPES_BY_CODE[spec.dtype_code]
@@ -417,22 +426,6 @@ class ChunkFiles:
             self.write_small(path, json.dumps(info, sort_keys=True).encode())
         except OSError:
             pass  # descriptive only
-
-    def namespaces(self) -> dict[str, dict[str, object]]:
-        out: dict[str, dict[str, object]] = {}
-        try:
-            entries = list(os.scandir(self.root / "namespaces"))
-        except OSError:
-            return out
-        for entry in entries:
-            if entry.name.endswith(".json"):
-                try:
-                    info = json.loads(read_small(entry.path, NAMESPACE_MAX_BYTES)[0])
-                except (OSError, ValueError):
-                    continue
-                if isinstance(info, dict):
-                    out[entry.name[:-5]] = info
-        return out
 
     # -- maintenance ------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ callers use; ``listed`` lists many shard directories on a thread pool, a few ahe
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import re
 from collections import deque
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kvtier.fileio import TMP_SUFFIX
+from kvtier.fileio import TMP_SUFFIX, read_small
 from kvtier.keys import DIGEST_BYTES, ChunkKey
 
 SUFFIX = ".kvt"
@@ -153,3 +154,22 @@ def _subdir_names(path: str) -> list[str]:
         except OSError:
             continue
     return sorted(names)
+
+
+def described_namespaces(root: str | os.PathLike[str], max_bytes: int) -> dict[str, dict[str, object]]:
+    """The namespaces described under ``ROOT/namespaces`` (``ChunkFiles.describe_namespace``), by
+    digest; files that are unreadable, too large or not a JSON object are skipped."""
+    out: dict[str, dict[str, object]] = {}
+    try:
+        entries = list(os.scandir(os.path.join(root, "namespaces")))
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.name.endswith(".json"):
+            try:
+                info = json.loads(read_small(entry.path, max_bytes)[0])
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict):
+                out[entry.name[:-5]] = info
+    return out

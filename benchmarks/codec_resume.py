@@ -1,0 +1,138 @@
+"""Resume TTFT through each KV codec, on a bandwidth-limited pool and on a fast one, side by side.
+
+    python benchmarks/codec_resume.py [--codecs none,fp8,k8v4,lossless] [--tokens 8000]
+                                      [--concurrency 8] [--repeats 3] [--gluster DIR] [--out FILE]
+
+The model is SmolLM2-135M-Instruct (23 KB of KV per token: an 8k-token session is 184 MB). For
+each codec, one engine (vLLM CPU build, the kvtier connector, no host DRAM) prefills
+``--concurrency`` coding sessions of about ``--tokens`` tokens into a pool on the local disk,
+and the pool is copied to a GlusterFS volume (``--gluster DIR``: a volume that
+``scripts/glusterfs.sh up DIR`` started; the bandwidth-limited pool). Then a fresh engine per
+pool resumes, ``--repeats`` times: one session alone, then all of them at once; the
+GlusterFS runs drop the page cache before each (``echo 3 > /proc/sys/vm/drop_caches``: root),
+the local runs keep it (the fast pool: every chunk file in memory). TTFT is vLLM's own
+first-token time of each request; the table gives medians over the repeats, and each codec's
+ratio to ``none`` measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DROP = "sync; echo 3 > /proc/sys/vm/drop_caches"
+
+
+def sessions(model: Path, n: int, tokens: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from kvtier.bench.coding import QUESTIONS, session
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from codec_quality import stdlib_files
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [session(tokenizer, name, tokens, QUESTIONS[i % len(QUESTIONS)]).prompt
+            for i, name in enumerate(stdlib_files(n + 1, tokens * 5, set()))]
+
+
+def engine(model: Path, work: Path, name: str, prompts: list[list[int]], pool: str, codec: str,
+           plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from kvtier.bench.offline import run_engine
+
+    spec = {"model": str(model), "prompts": prompts, "plan": plan, "max_tokens": 1, "logprobs": None,
+            "kv_cache_gib": 4, "max_model_len": max(len(p) for p in prompts) + 32,
+            "connector": {"host_bytes": 0, "pool_url": pool, "kv_codec": codec, "load_policy": "always",
+                          "io_threads": 8}}
+    out: list[dict[str, Any]] = run_engine(spec, work, name, timeout_s=3600)["results"]
+    return out
+
+
+def resume(model: Path, work: Path, name: str, prompts: list[list[int]], pool: str, codec: str, repeats: int,
+           drop: bool) -> dict[str, list[float]]:
+    n = len(prompts) - 1  # the last prompt is the warm-up (new to the pool)
+    plan: list[dict[str, Any]] = [{"p": n, "tag": "warmup"}]
+    for r in range(repeats):
+        for tag, step in (("single", {"p": 0}), ("batch", {"batch": list(range(n))})):
+            plan += [{"reset": True}] + ([{"sh": DROP}] if drop else []) + [{**step, "tag": f"{tag}-{r}"}]
+    results = engine(model, work, name, prompts, pool, codec, plan)
+    out: dict[str, list[float]] = {"single": [], "batch_p50": []}
+    for r in range(repeats):
+        single = [x for x in results if x["tag"] == f"single-{r}"]
+        batch = [x for x in results if x["tag"] == f"batch-{r}"]
+        out["single"].append(single[0]["first_token_s"])
+        out["batch_p50"].append(statistics.median(x["first_token_s"] for x in batch))
+        if any(x["cached"] == 0 for x in single + batch):
+            raise SystemExit(f"{name}: a request was not resumed (cached 0)")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--codecs", default="none,fp8,k8v4,lossless")
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gluster", type=Path, default=None, help="a scripts/glusterfs.sh DIR that is up")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from kvtier.bench.real_model import make_real_model
+    from kvtier.tiers.poolroot import init_pool, scratch_pool
+
+    mount = None
+    if args.gluster is not None:
+        env = dict(line.removeprefix("export ").split("=", 1) for line in
+                   (args.gluster / "gluster.env").read_text().splitlines() if "=" in line)
+        mount = Path(env["KVTIER_GLUSTER_MOUNT_A"].strip("'\""))
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvtier-codec-resume-") as tmp:
+        work = Path(tmp)
+        model = make_real_model(work / "smollm2").dir
+        prompts = sessions(model, args.concurrency, args.tokens)
+        print(f"{args.concurrency} sessions of {min(len(p) for p in prompts[:-1])}-"
+              f"{max(len(p) for p in prompts[:-1])} tokens", flush=True)
+        for codec in args.codecs.split(","):
+            local = work / f"pool-{codec}"
+            url = scratch_pool(local)
+            t0 = time.perf_counter()
+            engine(model, work, f"fill-{codec}", prompts, url, codec,
+                   [{"batch": list(range(args.concurrency)), "tag": "fill"}])
+            size = sum(f.stat().st_size for f in local.rglob("*.kvt"))
+            row = rows[codec] = {"pool_bytes": size, "fill_s": time.perf_counter() - t0}
+            row["page_cache"] = resume(model, work, f"local-{codec}", prompts, url, codec, args.repeats, False)
+            if mount is not None:
+                remote = mount / f"codec-resume-{codec}"
+                shutil.rmtree(remote, ignore_errors=True)
+                init_pool(remote)
+                shutil.copytree(local, remote, dirs_exist_ok=True)
+                row["gluster"] = resume(model, work, f"gluster-{codec}", prompts, f"fs://{remote}", codec,
+                                        args.repeats, True)
+                shutil.rmtree(remote, ignore_errors=True)
+            shutil.rmtree(local)
+            print(f"{codec}: {size / 2**20:.0f} MiB; " + "; ".join(
+                f"{where} single {statistics.median(r['single']):.3f} s, c={args.concurrency} p50 "
+                f"{statistics.median(r['batch_p50']):.3f} s" for where in ("page_cache", "gluster")
+                if (r := row.get(where))), flush=True)
+    base = rows.get("none")
+    for codec, row in rows.items():
+        for where in ("page_cache", "gluster"):
+            if base and where in row:
+                row[f"{where}_vs_none"] = {k: statistics.median(row[where][k]) / statistics.median(base[where][k])
+                                           for k in ("single", "batch_p50")}
+        print(codec, {k: v for k, v in row.items() if k.endswith("_vs_none")}, flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                                        "cpus": os.cpu_count()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
