@@ -238,13 +238,7 @@ class ChunkSpec:
         header = unpack_header(buf)
         self.check(header, chunk)
         _uncoded(header)
-        end = PAYLOAD_OFFSET + self.payload_bytes
-        if len(buf) < end:
-            raise ChunkError(ChunkFault.TRUNCATED, f"{len(buf)} of {end} bytes")
-        payload = buf[PAYLOAD_OFFSET:end]
-        if payload_checksum(payload) != header.payload_xxh3:
-            raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
-        return payload
+        return _checked_payload(buf, header, self.payload_bytes)
 
     def decode_parts(self, head: bytes | memoryview, payload: Sequence[memoryview],
                      chunk: ChunkId) -> None:
@@ -273,16 +267,22 @@ class ChunkSpec:
             by_code(header.codec.code, header.codec.version)
         except UnknownCodec as exc:
             raise ChunkError(ChunkFault.UNKNOWN_CODEC, str(exc)) from exc
-        end = PAYLOAD_OFFSET + header.payload_bytes
-        if len(buf) < end:
-            raise ChunkError(ChunkFault.TRUNCATED, f"{len(buf)} of {end} bytes")
-        stored = buf[PAYLOAD_OFFSET:end]
-        if payload_checksum(stored) != header.payload_xxh3:
-            raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
+        stored = _checked_payload(buf, header, header.payload_bytes)
         try:
             decode_into(header.codec, torch.frombuffer(stored, dtype=torch.uint8), out)
         except (CodecDataError, RuntimeError) as exc:  # RuntimeError: torch refusing a view or shape
             raise ChunkError(ChunkFault.CODEC, str(exc)) from exc
+
+
+def _checked_payload(buf: memoryview, header: ChunkHeader, nbytes: int) -> memoryview:
+    """The ``nbytes`` of payload after the header in ``buf``, checked against the header's checksum."""
+    end = PAYLOAD_OFFSET + nbytes
+    if len(buf) < end:
+        raise ChunkError(ChunkFault.TRUNCATED, f"{len(buf)} of {end} bytes")
+    payload = buf[PAYLOAD_OFFSET:end]
+    if payload_checksum(payload) != header.payload_xxh3:
+        raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
+    return payload
 
 
 def _uncoded(header: ChunkHeader) -> None:
