@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,38 @@ def test_any_finite_kv_decodes_to_finite_values_near_it(seed: int, name: str, sc
         x = x.clamp(-65504, 65504)
     assert torch.isfinite(got).all()
     assert (got - x).abs().max() <= 0.1 * x.abs().max()
+
+
+def test_keys_stored_channel_by_channel_are_found_recorded_and_coded_per_channel() -> None:
+    """vLLM's CPU build stores a K page as [head_dim, block_size]: read as [tokens, channels], a
+    "channel" would mix channels, and its scale and mean would miss each channel's offset."""
+    geom = KVGeometry(2, 2, 128, 64, torch.bfloat16, interleaved=True)
+    tokens_first = kv_like(geom)
+    k, v = (t.clone() for t in geom.split(tokens_first))  # [layers, pages, rows, channels]
+    raw = torch.empty_like(tokens_first)
+    flipped = KVGeometry(2, 2, 128, 64, torch.bfloat16, interleaved=True, k_channels_first=True)
+    flipped.join(raw, k.reshape(2, 256, 64), v.reshape(2, 256, 64))  # K pages as [channels, rows]
+    assert geom.oriented(raw) == flipped and geom.oriented(tokens_first) == geom
+    for name in ("fp8", "k8v4"):
+        stored, record = Encoder(CODECS[name], geom).encode(raw)
+        assert record.layout == flipped.layout_bits == 0b011
+        out = torch.empty_like(raw)
+        decode_into(record, stored, out)
+        right = (flipped.split(out)[0].float() - k.float()).abs().mean().item()
+        # The same bytes coded as if K were token by token: the wrong grouping costs precision.
+        wrong = torch.empty_like(raw)
+        decode_into(replace(record, layout=geom.layout_bits), CODECS[name].encode(raw, geom), wrong)
+        assert torch.equal(wrong.view(geom.dtype).isfinite(), raw.view(geom.dtype).isfinite())
+        assert (flipped.split(wrong)[0].float() - k.float()).abs().mean().item() > 2 * right, name
+        assert right < 0.05, name
+
+
+def test_a_layout_byte_with_unknown_bits_is_a_codec_error() -> None:
+    geom = GEOMS[0]
+    raw = kv_like(geom)
+    stored, record = Encoder(CODECS["fp8"], geom).encode(raw)
+    with pytest.raises(CodecDataError, match="layout"):
+        decode_into(replace(record, layout=8), stored, torch.empty_like(raw))
 
 
 def test_a_record_that_lies_about_its_geometry_is_a_codec_error_not_a_crash() -> None:

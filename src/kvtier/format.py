@@ -13,7 +13,7 @@ Header (little-endian)::
 
 With ``FLAG_CODEC`` the payload is coded (``kvtier.codec``) and a codec record follows::
 
-    codec H | codec_version H | dtype_code B | interleaved B | k_group H | v_group H | layers I
+    codec H | codec_version H | dtype_code B | layout B (KVGeometry.layout_bits) | k_group H | v_group H | layers I
     | pages I | rows I | row_elems I | raw_bytes Q | record_xxh3 Q (of header_xxh3 and the record)
 
 ``payload_bytes`` and ``payload_xxh3`` are then those of the stored (coded) bytes, and the file
@@ -135,7 +135,7 @@ class ChunkHeader:
         body += _CHECK.pack(xxhash.xxh3_64_intdigest(body))
         if self.codec is not None:
             c = self.codec
-            record = body[-_CHECK.size:] + _CODEC.pack(c.code, c.version, c.dtype_code, int(c.interleaved), c.k_group,
+            record = body[-_CHECK.size:] + _CODEC.pack(c.code, c.version, c.dtype_code, c.layout, c.k_group,
                                                        c.v_group, c.layers, c.pages, c.rows, c.row_elems, c.raw_bytes)
             body += record[_CHECK.size:] + _CHECK.pack(xxhash.xxh3_64_intdigest(record))
         return body + bytes(HEADER_BYTES - len(body))
@@ -171,8 +171,7 @@ def _unpack_codec(buf: bytes | memoryview) -> CodecRecord:
     (stored_check,) = _CHECK.unpack(bytes(buf[CODEC_RECORD_END - _CHECK.size:CODEC_RECORD_END]))
     if stored_check != xxhash.xxh3_64_intdigest(record):
         raise ChunkError(ChunkFault.HEADER_CHECKSUM, "codec record")
-    code, version, dtype_code, interleaved, *rest = _CODEC.unpack(record[_CHECK.size:])
-    return CodecRecord(code, version, dtype_code, bool(interleaved), *rest)
+    return CodecRecord(*_CODEC.unpack(record[_CHECK.size:]))
 
 
 def payload_checksum(payload: bytes | memoryview) -> int:

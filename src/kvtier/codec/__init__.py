@@ -58,6 +58,8 @@ class Codec(Protocol):
     code: int
     version: int
     lossy: bool
+    grouped: bool
+    """Scales per group of tokens or channels: the pages' orientation matters."""
 
     def groups(self, geom: KVGeometry) -> tuple[int, int]: ...
 
@@ -105,7 +107,8 @@ class CodecRecord:
     code: int
     version: int
     dtype_code: int
-    interleaved: bool
+    layout: int
+    """``KVGeometry.layout_bits``."""
     k_group: int
     v_group: int
     layers: int
@@ -117,7 +120,7 @@ class CodecRecord:
     def geometry(self) -> KVGeometry:
         """The geometry these fields state; GeometryError unless they are consistent."""
         geom = KVGeometry.from_code(self.layers, self.pages, self.rows, self.row_elems, self.dtype_code,
-                                    self.interleaved)
+                                    self.layout)
         if geom.raw_bytes != self.raw_bytes:
             raise GeometryError(f"geometry of {geom.raw_bytes} bytes for a chunk of {self.raw_bytes}")
         for group, dim in ((self.k_group, geom.tokens), (self.v_group, geom.row_elems)):
@@ -141,11 +144,14 @@ class Encoder:
         return not self.adaptive or rates is None or rates.worth_coding(self.ratio)
 
     def encode(self, raw: torch.Tensor) -> tuple[torch.Tensor, CodecRecord]:
-        """The stored payload of ``raw`` (a chunk's bytes, 1-d uint8) and its header record."""
-        geom, codec = self.geometry, self.codec
+        """The stored payload of ``raw`` (a chunk's bytes, 1-d uint8) and its header record.
+        A codec that groups elements reads the pages the way the bytes say they lie
+        (``KVGeometry.oriented``)."""
+        codec, raw = self.codec, raw.reshape(-1)
+        geom = self.geometry.oriented(raw) if codec.grouped else self.geometry
         kg, vg = codec.groups(geom)
-        stored = codec.encode(raw.reshape(-1), geom)
-        return stored, CodecRecord(codec.code, codec.version, geom.dtype_code, geom.interleaved, kg, vg,
+        stored = codec.encode(raw, geom)
+        return stored, CodecRecord(codec.code, codec.version, geom.dtype_code, geom.layout_bits, kg, vg,
                                    geom.layers, geom.pages, geom.rows, geom.row_elems, geom.raw_bytes)
 
 

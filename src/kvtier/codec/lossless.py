@@ -23,7 +23,7 @@ class CodecDataError(ValueError):
 
 
 class Lossless:
-    name, code, version, lossy = "lossless", 1, 1, False
+    name, code, version, lossy, grouped = "lossless", 1, 1, False, False
 
     @staticmethod
     def groups(geom: KVGeometry) -> tuple[int, int]:

@@ -54,9 +54,11 @@ def _bytes(*parts: torch.Tensor) -> torch.Tensor:
 
 
 def _kv_float(raw: torch.Tensor, geom: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    k, v = geom.split(raw)
+    """K and V as contiguous float32 ``[layers, tokens, row_elems]``: one copy each, whatever
+    the pages' strides (a plain ``.float()`` would keep a transposed page's strides)."""
     shape = (geom.layers, geom.tokens, geom.row_elems)
-    return k.reshape(shape).float(), v.reshape(shape).float()
+    k, v = (torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x).view(shape) for x in geom.split(raw))
+    return k, v
 
 
 def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,7 @@ def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8:
-    name, code, version, lossy = "fp8", 2, 1, True
+    name, code, version, lossy, grouped = "fp8", 2, 1, True, True
 
     @staticmethod
     def groups(geom: KVGeometry) -> tuple[int, int]:
@@ -106,7 +108,7 @@ class Fp8:
 
 
 class K8V4:
-    name, code, version, lossy = "k8v4", 3, 1, True
+    name, code, version, lossy, grouped = "k8v4", 3, 1, True, True
 
     @staticmethod
     def groups(geom: KVGeometry) -> tuple[int, int]:
@@ -155,7 +157,7 @@ def _dequant(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, shape: tuple
 
 
 class Fp8Cast:
-    name, code, version, lossy = "fp8_cast", 4, 1, True
+    name, code, version, lossy, grouped = "fp8_cast", 4, 1, True, False
 
     @staticmethod
     def groups(geom: KVGeometry) -> tuple[int, int]:
