@@ -1,16 +1,18 @@
 """Resume TTFT through each KV codec, on a bandwidth-limited pool and on a fast one, side by side.
 
     python benchmarks/codec_resume.py [--codecs none,fp8,k8v4,lossless] [--tokens 8000]
-                                      [--concurrency 8] [--repeats 3] [--gluster DIR] [--out FILE]
+                                      [--concurrency 8] [--repeats 3] [--slow DIR] [--gluster DIR]
+                                      [--out FILE]
 
 The model is SmolLM2-135M-Instruct (23 KB of KV per token: an 8k-token session is 184 MB). For
 each codec, one engine (vLLM CPU build, the kvtier connector, no host DRAM) prefills
 ``--concurrency`` coding sessions of about ``--tokens`` tokens into a pool on the local disk,
-and the pool is copied to a GlusterFS volume (``--gluster DIR``: a volume that
-``scripts/glusterfs.sh up DIR`` started; the bandwidth-limited pool). Then a fresh engine per
-pool resumes, ``--repeats`` times: one session alone, then all of them at once; the
-GlusterFS runs drop the page cache before each (``echo 3 > /proc/sys/vm/drop_caches``: root),
-the local runs keep it (the fast pool: every chunk file in memory). TTFT is vLLM's own
+and the pool is copied to each bandwidth-limited pool asked for: ``--slow DIR``, a loop device
+whose reads a cgroup caps (``scripts/slowdisk.sh up DIR MBPS``; this process joins the cgroup),
+and ``--gluster DIR``, a GlusterFS volume that ``scripts/glusterfs.sh up DIR`` started. Then a
+fresh engine per pool resumes, ``--repeats`` times: one session alone, then all of them at once;
+the limited pools' runs drop the page cache before each (``echo 3 > /proc/sys/vm/drop_caches``:
+root), the local runs keep it (the fast pool: every chunk file in memory). TTFT is vLLM's own
 first-token time of each request; the table gives medians over the repeats, and each codec's
 ratio to ``none`` measured in the same run.
 """
@@ -29,6 +31,12 @@ from pathlib import Path
 from typing import Any
 
 DROP = "sync; echo 3 > /proc/sys/vm/drop_caches"
+
+
+def env_lines(path: Path) -> dict[str, str]:
+    """The ``export NAME=VALUE`` lines a scripts/*.sh ``up`` wrote."""
+    pairs = (line.removeprefix("export ").split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k: v.strip("'\"") for k, v in pairs}
 
 
 def sessions(model: Path, n: int, tokens: int) -> list[list[int]]:
@@ -81,17 +89,20 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slow", type=Path, default=None, help="a scripts/slowdisk.sh DIR that is up")
     parser.add_argument("--gluster", type=Path, default=None, help="a scripts/glusterfs.sh DIR that is up")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from kvtier.bench.real_model import make_real_model
     from kvtier.tiers.poolroot import init_pool, scratch_pool
 
-    mount = None
+    limited: dict[str, Path] = {}
+    if args.slow is not None:
+        env = env_lines(args.slow / "slowdisk.env")
+        Path(env["KVTIER_SLOW_PROCS"]).write_text(str(os.getpid()))  # the engines inherit the limit
+        limited["slow"] = Path(env["KVTIER_SLOW_MOUNT"])
     if args.gluster is not None:
-        env = dict(line.removeprefix("export ").split("=", 1) for line in
-                   (args.gluster / "gluster.env").read_text().splitlines() if "=" in line)
-        mount = Path(env["KVTIER_GLUSTER_MOUNT_A"].strip("'\""))
+        limited["gluster"] = Path(env_lines(args.gluster / "gluster.env")["KVTIER_GLUSTER_MOUNT_A"])
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-codec-resume-") as tmp:
         work = Path(tmp)
@@ -108,22 +119,22 @@ def main() -> int:
             size = sum(f.stat().st_size for f in local.rglob("*.kvt"))
             row = rows[codec] = {"pool_bytes": size, "fill_s": time.perf_counter() - t0}
             row["page_cache"] = resume(model, work, f"local-{codec}", prompts, url, codec, args.repeats, False)
-            if mount is not None:
+            for where, mount in limited.items():
                 remote = mount / f"codec-resume-{codec}"
                 shutil.rmtree(remote, ignore_errors=True)
-                init_pool(remote)
+                init_pool(remote, 16 << 30)
                 shutil.copytree(local, remote, dirs_exist_ok=True)
-                row["gluster"] = resume(model, work, f"gluster-{codec}", prompts, f"fs://{remote}", codec,
-                                        args.repeats, True)
+                row[where] = resume(model, work, f"{where}-{codec}", prompts, f"fs://{remote}", codec,
+                                    args.repeats, True)
                 shutil.rmtree(remote, ignore_errors=True)
             shutil.rmtree(local)
             print(f"{codec}: {size / 2**20:.0f} MiB; " + "; ".join(
                 f"{where} single {statistics.median(r['single']):.3f} s, c={args.concurrency} p50 "
-                f"{statistics.median(r['batch_p50']):.3f} s" for where in ("page_cache", "gluster")
+                f"{statistics.median(r['batch_p50']):.3f} s" for where in ("page_cache", *limited)
                 if (r := row.get(where))), flush=True)
     base = rows.get("none")
     for codec, row in rows.items():
-        for where in ("page_cache", "gluster"):
+        for where in ("page_cache", *limited):
             if base and where in row:
                 row[f"{where}_vs_none"] = {k: statistics.median(row[where][k]) / statistics.median(base[where][k])
                                            for k in ("single", "batch_p50")}

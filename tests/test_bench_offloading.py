@@ -169,6 +169,28 @@ def test_kvtiers_configurations_take_the_suites_chunk_size(tmp_path: Path, capsy
     assert not (tmp_path / "o").exists()
 
 
+def test_the_storage_budget_is_the_pools_and_each_disks_and_a_bad_one_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import yaml
+
+    from kvtier.cli.main import main
+
+    for config, key in (("local-disk", "disk_bytes"), ("shared-pool", "pool_bytes")):
+        spec = SuiteSpec(tmp_path / "out", model=tmp_path / "model", configs=(config,), storage_bytes="96MiB")
+        argv = list(ConfigRunner(spec, config, tmp_path / "model", max_len=8192).engines[0].argv)
+        settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        assert settings[key] == "96MiB"
+        if config == "shared-pool":  # the pool's own budget, which every instance evicts against
+            pool = Path(settings["pool_url"].removeprefix("fs://"))
+            assert json.loads((pool / ".budget").read_text())["max_bytes"] == 96 << 20
+    for bad in ("0", "lots"):
+        assert main(["bench", "suite", "--out", str(tmp_path / "o"), "--storage-bytes", bad]) != 0
+        assert "storage" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_more_kvtier_settings_reach_its_configurations_and_bad_ones_are_refused_before_any_engine(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import yaml

@@ -41,6 +41,7 @@ class SuiteSpec:
     run_cold: bool = True  # False: only the ``extra`` workloads (e.g. a short-chat-only run)
     warmup_sessions: int = 0  # cold-resume sessions populated and resumed first, never measured
     host_bytes: str = "1GiB"
+    storage_bytes: str = "16GiB"  # the shared pool's budget and each local disk tier's
     chunk_tokens: int = 256  # kvtier's configurations: tokens per chunk (a multiple of the block size)
     kvtier_settings: Mapping[str, Any] = field(default_factory=dict)  # more of their settings (kvtier_setting)
     kv_cache_gib: int = 2

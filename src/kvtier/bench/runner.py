@@ -23,6 +23,7 @@ import yaml
 from kvtier.bench.client import Target
 from kvtier.bench.configs import CONFIGS, FLOOR, SERVED_NAME, SuiteSpec
 from kvtier.bench.engines import EngineError, Process, free_port, root_cause
+from kvtier.config import parse_bytes
 from kvtier.tiers.poolroot import scratch_pool
 
 ENGINES = {  # configuration -> the ConfigRunner method that builds its engine's argv
@@ -89,8 +90,6 @@ def offloading_kv_config(spec: SuiteSpec, config: str, work: Path) -> dict[str, 
     of ``TieringOffloadingSpec`` (``SecondaryTierFactory`` type ``fs``, files under ``root_dir``),
     in the configuration's work dir, which the cold-resume restart keeps.
     """
-    from kvtier.config import parse_bytes
-
     extra: dict[str, Any] = {"cpu_bytes_to_use": parse_bytes(spec.host_bytes, "host_bytes"),
                              "block_size": OFFLOAD_CHUNK_TOKENS}
     if config == "vllm-offload-cpu":
@@ -136,10 +135,11 @@ class ConfigRunner:
                                     "chunk_tokens": self.spec.chunk_tokens}
         if self.config == "local-disk":
             settings["disk_path"] = str(self.work / f"disk-{i}")
-            settings["disk_bytes"] = "16GiB"
+            settings["disk_bytes"] = self.spec.storage_bytes
         else:
-            settings["pool_url"] = scratch_pool(self.work / "pool")
-            settings["pool_bytes"] = "16GiB"
+            budget = parse_bytes(self.spec.storage_bytes, "storage_bytes")
+            settings["pool_url"] = scratch_pool(self.work / "pool", budget)
+            settings["pool_bytes"] = self.spec.storage_bytes
         settings["metrics_file"] = str(self.work / f"metrics-{i}")
         settings["profile_file"] = str(self.work / f"profile-{i}.jsonl")  # the resume profile (bench.profiles)
         return kvtier_serve_argv(settings, self.work / f"kvtier-{i}.yaml", args)

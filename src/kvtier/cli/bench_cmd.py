@@ -90,6 +90,10 @@ def _add_suite_parser(bsub: Any) -> None:
                        help="tokens per chunk of kvtier's configurations (default 256; a multiple of the engine's "
                             "block size: 128 on vLLM's CPU build, 16 on GPUs): smaller chunks recompute less of "
                             "a resumed prompt's tail, in more files")
+    suite.add_argument("--storage-bytes", default=None, metavar="SIZE",
+                       help="kvtier's storage budget: the shared pool's (its .budget) and each local disk tier's "
+                            "(default 16GiB: room for every session). Below the workload's KV it makes the run a "
+                            "capacity test: which sessions the tier still holds when they resume")
     suite.add_argument("--kvtier-setting", action="append", default=[], metavar="KEY=VALUE",
                        help="one more setting of kvtier's configurations (repeatable; VALUE read as YAML), "
                             "e.g. load_mode=sync or io_threads=4; recorded in env.json")
@@ -145,6 +149,12 @@ def _suite(args: argparse.Namespace) -> int:
         if args.chunk_tokens <= 0 or args.chunk_tokens % 16:
             raise ValueError(f"--chunk-tokens: a positive multiple of 16, got {args.chunk_tokens}")
         spec.chunk_tokens = args.chunk_tokens
+    if args.storage_bytes is not None:
+        from kvtier.config import parse_bytes
+
+        if parse_bytes(args.storage_bytes, "--storage-bytes") <= 0:
+            raise ValueError(f"--storage-bytes: a positive size, got {args.storage_bytes!r}")
+        spec.storage_bytes = args.storage_bytes
     if args.kvtier_setting:
         from kvtier.bench.configs import kvtier_setting
 
