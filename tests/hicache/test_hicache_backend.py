@@ -115,6 +115,39 @@ def test_the_controller_writes_and_reads_back_bit_exactly_like_hicachefile(tmp_p
     assert len(pool_files(tmp_path / "pool")) == 12
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pages_go_through_each_kv_codec_smaller_and_back(tmp_path: Path, layout: str) -> None:
+    """With ``kv_codec``, the pool's files are that many times smaller, ``lossless`` reads back
+    the same bytes and ``fp8`` / ``k8v4`` values close to them: K and V found where SGLang's
+    page keeps them (all K rows, then all V rows)."""
+    from kvtier.format import unpack_header
+
+    for codec, least, tol in (("lossless", 1.05, 0.0), ("fp8", 1.9, 1 / 8), ("k8v4", 2.4, 1 / 4)):
+        pool = tmp_path / codec
+        allocator, host = hc.host_pool(layout)
+        ctrl = hc.controller(allocator, host, "kvtier", {"pool_url": new_pool(pool), "kv_codec": codec})
+        try:
+            tokens = hc.tokens_for(3, 6)
+            _, indices, written = hc.backup(ctrl, host, tokens, seed=3)
+            assert written == len(tokens)
+            want = [host.get_data_page(i, flat=True).float().clone() for i in indices[::hc.PAGE].tolist()]
+            got = hc.prefetch(ctrl, host, tokens)
+            assert got.loaded_tokens == len(tokens) and got.host_indices is not None
+            for page, i in zip(want, got.host_indices[::hc.PAGE].tolist(), strict=True):
+                back = host.get_data_page(i, flat=True).float()
+                # randn pages: within a fraction of each value's own scale (|x| <= ~5)
+                assert (back - page).abs().max().item() <= tol * 5, codec
+        finally:
+            ctrl.storage_stop_event.set()
+            ctrl.storage_backend.close()
+        files = pool_files(pool)
+        assert len(files) == 6
+        for path in files:
+            header = unpack_header(path.read_bytes()[:4096])
+            assert header.codec is not None and header.codec.raw_bytes / header.payload_bytes >= least, (codec, path)
+            assert header.codec.layers == 1 and header.codec.row_elems == hc.HEAD_DIM
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
 def test_copy_page_copies_strided_pages_bit_exactly(dtype: torch.dtype) -> None:
     """The page copy of every path (NumPy's, not torch's threaded ``copy_``): a strided page of a

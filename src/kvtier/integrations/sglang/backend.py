@@ -97,6 +97,9 @@ class KVTierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.geometry = PageGeometry.of(mem_pool_host)
         config = store_config(self.settings, self.geometry, self.parallel, self.storage_config.model_name)
         self.store = TieredStore(config)
+        geometry = self.geometry.kv_geometry()
+        if geometry is not None:
+            self.store.set_codec_geometry(geometry)
         self.failures = Failures(self.store.store_metrics)
         self._writers = executor(config.io_threads, "kvtier-sglang-write")
         if not self.store.tiers:

@@ -18,6 +18,7 @@ rechecks it from the header alone. A name that is not 64 hex characters (a sidec
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from kvtier.codec import FLOAT_DTYPES, KVGeometry
 from kvtier.config import StoreConfig, load_settings, read_settings_file
 from kvtier.identity import content_digest, local_dir
 from kvtier.keys import ChunkId, recompute_key
@@ -105,6 +107,19 @@ class PageGeometry:
     @property
     def page_bytes(self) -> int:
         return self.page_size * self.layout.bytes_per_token
+
+    def kv_geometry(self) -> KVGeometry | None:
+        """Where K and V sit in a page, for a KV codec: an MHA host pool's page is ``[2, ...]``,
+        all its K rows (``head_dim`` elements each, over layers, tokens and heads in the layout's
+        order) before all its V rows. None for a page that is not so (MLA, K and V of different
+        widths) or not floating point: its chunks are then stored as they are."""
+        layout, shape = self.layout, self.page_shape
+        if layout.dtype not in FLOAT_DTYPES or not shape or shape[0] != 2 or shape[-1] != layout.head_dim:
+            return None
+        if layout.num_kv_heads * layout.head_dim * layout.num_layers * self.page_size * 2 != math.prod(shape):
+            return None
+        rows = math.prod(shape) // (2 * layout.head_dim)
+        return KVGeometry(1, 1, rows, layout.head_dim, layout.dtype, interleaved=False)
 
 
 @dataclass(frozen=True)
