@@ -70,6 +70,8 @@ class Codec(Protocol):
 
 CODECS: dict[str, Codec] = {c.name: c for c in (Lossless(), Fp8(), K8V4(), Fp8Cast())}
 AUTO = "auto"
+LOSSLESS_RATIO = 1.5
+"""What ``lossless`` saves on real KV, about (1.48-1.65 on SmolLM2's; docs/codecs.md)."""
 """``fp8`` where a tier's measured rates say decoding costs less than the bytes it saves, the
 engine's bytes elsewhere (``codec.rates``); its namespace is ``fp8``'s."""
 NAMES = ("none", *CODECS, AUTO)
@@ -137,8 +139,16 @@ class Encoder:
     geometry: KVGeometry
     adaptive: bool = False
     """``auto``: each tier codes a chunk only while its rates say it pays (``worth_coding``)."""
-    ratio: float = 1.94
-    """What the codec saves, about (``auto``'s rule); measured on SmolLM2's KV for fp8."""
+
+    @property
+    def ratio(self) -> float:
+        """How many times fewer bytes a chunk stores coded (``auto``'s rule): exact for a codec
+        of fixed sizes (fp8, k8v4), the ``lossless`` figure measured on SmolLM2's KV otherwise."""
+        sizes = getattr(self.codec, "sizes", None)
+        if sizes is None:
+            return LOSSLESS_RATIO
+        stored: int = sum(sizes(self.geometry, *self.codec.groups(self.geometry)))
+        return self.geometry.raw_bytes / stored
 
     def worth_coding(self, rates: CodecRates | None) -> bool:
         return not self.adaptive or rates is None or rates.worth_coding(self.ratio)
