@@ -1,8 +1,8 @@
 """KV codecs: fewer bytes per token on the disk tier and in the pool (setting ``kv_codec``).
 
 ``none`` stores the engine's bytes as they are; ``lossless`` (``codec.lossless``) splits each
-element's bytes into planes and compresses them with zstd; ``fp8`` and ``k8v4`` (``codec.quant``)
-quantize, with scales per group; ``auto`` codes with ``fp8`` only on tiers where that reads back
+element's bytes into planes and compresses them with zstd; ``fp8``, ``k8v4`` and ``k8v8``
+(``codec.quant``) quantize, with scales per group; ``auto`` codes with ``fp8`` only on tiers where that reads back
 sooner (``codec.rates``). Host DRAM always holds the engine's own bytes: a codec runs
 where a chunk is written to a file (the writer threads, off the engine's step) and where it is
 read back (the read threads).
@@ -30,7 +30,7 @@ import torch
 
 from kvtier.codec.geometry import FLOAT_DTYPES, GeometryError, KVGeometry
 from kvtier.codec.lossless import CodecDataError, Lossless
-from kvtier.codec.quant import K8V4, Fp8, Fp8Cast
+from kvtier.codec.quant import K8V4, K8V8, Fp8, Fp8Cast
 from kvtier.codec.rates import CodecRates
 
 __all__ = [
@@ -68,7 +68,7 @@ class Codec(Protocol):
     def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None: ...
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (Lossless(), Fp8(), K8V4(), Fp8Cast())}
+CODECS: dict[str, Codec] = {c.name: c for c in (Lossless(), Fp8(), K8V4(), K8V8(), Fp8Cast())}
 AUTO = "auto"
 LOSSLESS_RATIO = 1.5
 """What ``lossless`` saves on real KV, about (1.48-1.65 on SmolLM2's; docs/codecs.md)."""

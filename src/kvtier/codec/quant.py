@@ -14,6 +14,7 @@ bytes before a codec ever sees them).
 * ``k8v4``: keys 8-bit, asymmetric, a float16 minimum and step per channel over ``k_group``
   (128) tokens; values 4-bit, asymmetric, a float16 minimum and step per token over ``v_group``
   (64) channels. Values past the float16 range are clamped to it.
+* ``k8v8``: ``k8v4`` with 8-bit values (about 1.9x): fp8's size at uniform 8-bit precision.
 * ``fp8_cast``: the baseline LMCache ships: a plain cast to e4m3, no scale, nothing clamped
   (values past +-448 become NaN). For comparison in ``benchmarks/codec_quality.py``.
 """
@@ -108,7 +109,11 @@ class Fp8:
 
 
 class K8V4:
+    """Keys 8-bit per channel over ``k_group`` tokens, values ``v_bits``-bit per token over
+    ``v_group`` channels, both asymmetric with a float16 minimum and step per group."""
+
     name, code, version, lossy, grouped = "k8v4", 3, 1, True, True
+    v_bits = 4
 
     @staticmethod
     def groups(geom: KVGeometry) -> tuple[int, int]:
@@ -116,26 +121,38 @@ class K8V4:
 
     def sizes(self, geom: KVGeometry, kg: int, vg: int) -> list[int]:
         n = geom.layers * geom.tokens * geom.row_elems
-        return [n, 2 * (n // kg), 2 * (n // kg), (n + 1) // 2, 2 * (n // vg), 2 * (n // vg)]
+        v_codes = (n + 1) // 2 if self.v_bits == 4 else n
+        return [n, 2 * (n // kg), 2 * (n // kg), v_codes, 2 * (n // vg), 2 * (n // vg)]
 
     def encode(self, raw: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
         kg, vg = self.groups(geom)
         k, v = _kv_float(raw, geom)
         L, T, C = k.shape
         kq, klo, kstep = _uniform(k.view(L, T // kg, kg, C), 2, 255)
-        vq, vlo, vstep = _uniform(v.view(L, T, C // vg, vg), 3, 15)
+        vq, vlo, vstep = _uniform(v.view(L, T, C // vg, vg), 3, (1 << self.v_bits) - 1)
         vq = vq.view(-1)
-        if vq.numel() % 2:
-            vq = torch.cat([vq, vq.new_zeros(1)])
-        return _bytes(kq, klo, kstep, vq[0::2] | (vq[1::2] << 4), vlo, vstep)
+        if self.v_bits == 4:
+            if vq.numel() % 2:
+                vq = torch.cat([vq, vq.new_zeros(1)])
+            vq = vq[0::2] | (vq[1::2] << 4)
+        return _bytes(kq, klo, kstep, vq, vlo, vstep)
 
     def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
         L, T, C = geom.layers, geom.tokens, geom.row_elems
-        kq, klo, kstep, packed, vlo, vstep = _sections(stored, self.sizes(geom, kg, vg))
+        kq, klo, kstep, vq, vlo, vstep = _sections(stored, self.sizes(geom, kg, vg))
         k = _dequant(kq.view(L, T // kg, kg, C), klo, kstep, (L, T // kg, 1, C))
-        q = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:L * T * C]
-        v = _dequant(q.view(L, T, C // vg, vg), vlo, vstep, (L, T, C // vg, 1))
+        if self.v_bits == 4:
+            vq = torch.stack([vq & 15, vq >> 4], dim=1).view(-1)[:L * T * C]
+        v = _dequant(vq.view(L, T, C // vg, vg), vlo, vstep, (L, T, C // vg, 1))
         geom.join(out, k.to(geom.dtype), v.to(geom.dtype))
+
+
+class K8V8(K8V4):
+    """``k8v4`` with 8-bit values: about fp8's size, with uniform 8-bit steps in place of e4m3's
+    three mantissa bits (docs/codecs.md compares the two)."""
+
+    name, code, version, lossy, grouped = "k8v8", 5, 1, True, True
+    v_bits = 8
 
 
 def _uniform(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
