@@ -1,7 +1,7 @@
 """What a KV codec does to a real model's answers: SmolLM2-135M-Instruct resuming coding contexts.
 
-    python benchmarks/codec_quality.py [--prompts 50] [--probes 10] [--codecs fp8,k8v4,fp8_cast]
-                                       [--out docs/results/codec_quality/RUN]
+    python benchmarks/codec_quality.py [--prompts 50] [--probes 10] [--codecs fp8,k8v4,k8v8,fp8_cast]
+                                       [--out docs/results/codec_quality/RUN] [--reuse DIR]
 
 Contexts are Python standard library sources with a question (``kvtier.bench.coding``), from
 ``--min-tokens`` to ``--max-tokens`` tokens, spread evenly; retrieval probes state a fact in their
@@ -99,9 +99,37 @@ def run(model: Path, work: Path, codec: str, prompts: list[list[int]], args: arg
                           "kv_codec": codec, "load_policy": "always"}}
     t0 = time.perf_counter()
     out = run_engine(spec, work, f"engine-{codec}", timeout_s=7200)
-    disk = sum(f.stat().st_size for f in (work / f"disk-{codec}").rglob("*.kvt"))
+    disk, uncoded = disk_bytes(work / f"disk-{codec}")
     print(f"  {codec}: {time.perf_counter() - t0:.0f} s, {disk / 2**20:.1f} MiB on disk", flush=True)
-    return {"results": out["results"], "disk_bytes": disk}
+    return {"results": out["results"], "disk_bytes": disk, "bytes_ratio": uncoded / disk}
+
+
+def disk_bytes(root: Path) -> tuple[int, int]:
+    """The chunk files' bytes on disk, and what the same chunks take uncoded (their headers
+    say how many bytes each decodes to)."""
+    from kvtier.format import HEADER_BYTES, file_bytes_for, unpack_header
+
+    disk = uncoded = 0
+    for path in root.rglob("*.kvt"):
+        with path.open("rb") as fh:
+            header = unpack_header(fh.read(HEADER_BYTES))
+        disk += path.stat().st_size
+        uncoded += file_bytes_for(header.codec.raw_bytes if header.codec else header.payload_bytes)
+    return disk, uncoded
+
+
+SAME_ARGS = ("prompts", "min_tokens", "max_tokens", "probes", "probe_tokens", "new_tokens", "logprobs", "kv_cache_gib")
+
+
+def reused(folder: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The engines an earlier run with the same prompts and settings saved in ``folder``."""
+    summary = json.loads((folder / "summary.json").read_text())
+    differ = [k for k in SAME_ARGS if summary["args"].get(k) != getattr(args, k)]
+    if differ:
+        raise SystemExit(f"--reuse {folder}: its run differs in {', '.join(differ)}")
+    return {codec: {"results": json.loads((folder / f"{codec}.json").read_text()), "bytes_ratio": row["bytes_ratio"],
+                    "reused": str(folder)}
+            for codec, row in summary["table"].items() if (folder / f"{codec}.json").exists()}
 
 
 def kl_top(p_top: list[list[float]], q_top: list[list[float]]) -> float:
@@ -150,9 +178,12 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt (default 128)")
     parser.add_argument("--kl-positions", type=int, default=32)
     parser.add_argument("--logprobs", type=int, default=20, help="top log-probabilities per position (default 20)")
-    parser.add_argument("--codecs", default="fp8,k8v4,fp8_cast", help="codecs to compare with exact KV")
+    parser.add_argument("--codecs", default="fp8,k8v4,k8v8,fp8_cast", help="codecs to compare with exact KV")
     parser.add_argument("--kv-cache-gib", type=int, default=6, help="vLLM's CPU KV cache (default 6)")
     parser.add_argument("--out", default=None, help="a folder for the raw results and summary.json")
+    parser.add_argument("--reuse", default=None, metavar="DIR",
+                        help="take the engines an earlier run (its --out, same prompts and settings) saved there, "
+                             "and run only the others: a new codec beside an earlier table")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -166,7 +197,9 @@ def main() -> int:
             probes(tokenizer, args.probes, args.probe_tokens)
         print(f"{args.prompts} contexts of {min(len(p) for p in prompts[:args.prompts])}-"
               f"{max(len(p) for p in prompts[:args.prompts])} tokens, {args.probes} probes", flush=True)
-        runs = {c: run(model, work, c, prompts, args) for c in ["none", *args.codecs.split(",")]}
+        earlier = reused(Path(args.reuse), args) if args.reuse else {}
+        runs = {c: earlier[c] if c in earlier else run(model, work, c, prompts, args)
+                for c in ["none", *args.codecs.split(",")]}
     fresh = [r for r in runs["none"]["results"] if r["tag"] == "fresh"]
     exact = [r for r in runs["none"]["results"] if r["tag"] == "resumed"]
     table: dict[str, Any] = {}
@@ -177,8 +210,9 @@ def main() -> int:
         print(f"against the {ref_name.removeprefix('vs_').replace('_', ' ')}:")
         for codec, got in runs.items():
             resumed = [r for r in got["results"] if r["tag"] == "resumed"]
-            row = table.setdefault(codec, {"bytes_ratio": runs["none"]["disk_bytes"] / got["disk_bytes"],
-                                           "loaded_all": all(r["cached"] > 0 for r in resumed)})
+            row = table.setdefault(codec, {"bytes_ratio": got["bytes_ratio"],
+                                           "loaded_all": all(r["cached"] > 0 for r in resumed),
+                                           **({"reused": got["reused"]} if "reused" in got else {})})
             row[ref_name] = c = compare(ref, resumed, args.prompts, args.kl_positions)
             print(f"{codec:>9}: {row['bytes_ratio']:.2f}x fewer bytes; identical {c['identical']}/{c['prompts']}; "
                   f"identical prefix {c['mean_identical_prefix']:.1f} tokens; KL mean {c['kl_mean']:.2e} "
