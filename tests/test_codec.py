@@ -51,9 +51,12 @@ def test_lossless_is_exact_and_lossy_codecs_stay_within_their_precision(geom: KV
         decode_into(record, stored, out)
         ko, vo = (t.reshape(k.shape).float() for t in geom.split(out))
         # fp8: each element within half a unit of its 3-bit mantissa of the group's largest
-        # magnitude (keys: of their distance from the channel mean); k8v4, k8v8: within one code step.
-        k_span = (k.amax(dim=1, keepdim=True) - k.amin(dim=1, keepdim=True))
-        v_span = (v.amax(dim=2, keepdim=True) - v.amin(dim=2, keepdim=True))
+        # magnitude; k8v4, k8v8: within one code step of the group's span.
+        if name == "fp8":
+            k_span, v_span = k.abs().amax(dim=1, keepdim=True), v.abs().amax(dim=2, keepdim=True)
+        else:
+            k_span = (k.amax(dim=1, keepdim=True) - k.amin(dim=1, keepdim=True))
+            v_span = (v.amax(dim=2, keepdim=True) - v.amin(dim=2, keepdim=True))
         assert ((ko - k).abs() <= k_span * k_tol + 1e-2).all(), name
         assert ((vo - v).abs() <= v_span * v_tol + 1e-2).all(), name
 
@@ -95,12 +98,14 @@ def test_keys_stored_channel_by_channel_are_found_recorded_and_coded_per_channel
         out = torch.empty_like(raw)
         decode_into(record, stored, out)
         right = (flipped.split(out)[0].float() - k.float()).abs().mean().item()
-        # The same bytes coded as if K were token by token: the wrong grouping costs precision.
+        assert right < 0.04 * k.float().abs().mean().item(), name  # e4m3: about 2% of a value
+        # The same bytes coded as if K were token by token: a uniform code's grouping costs
+        # precision (fp8's e4m3 is relative: its scale only keeps a group in range).
         wrong = torch.empty_like(raw)
         decode_into(replace(record, layout=geom.layout_bits), CODECS[name].encode(raw, geom), wrong)
         assert torch.equal(wrong.view(geom.dtype).isfinite(), raw.view(geom.dtype).isfinite())
-        assert (flipped.split(wrong)[0].float() - k.float()).abs().mean().item() > 2 * right, name
-        assert right < 0.05, name
+        if name != "fp8":
+            assert (flipped.split(wrong)[0].float() - k.float()).abs().mean().item() > 2 * right, name
 
 
 def test_a_layout_byte_with_unknown_bits_is_a_codec_error() -> None:
@@ -134,7 +139,7 @@ def test_lossy_codecs_have_a_namespace_of_their_own_and_lossless_shares_exact_kv
                for c in ("none", "lossless", "fp8", "k8v4", "k8v8")}
     assert digests["none"] == digests["lossless"]
     assert len({digests["none"], digests["fp8"], digests["k8v4"], digests["k8v8"]}) == 4
-    assert namespace_tag("fp8") == "fp8/1" and namespace_tag("lossless") == ""
+    assert namespace_tag("fp8") == "fp8/2" and namespace_tag("lossless") == ""
     with pytest.raises(ValueError, match="kv_codec"):
         load_settings({"model_id": "m", "layout": layout, "kv_codec": "zip"})
 
