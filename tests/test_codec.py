@@ -227,9 +227,9 @@ def test_pool_verify_checks_coded_chunks_and_finds_them_whole(tmp_path: Path) ->
 
 
 def test_auto_codes_a_tier_only_while_its_measured_rates_say_decoding_pays(tmp_path: Path) -> None:
-    """``auto`` shares fp8's namespace; a slow tier (the defaults: a network filesystem's rate)
-    gets fp8 files, and once its reads are measured faster than decoding saves, the engine's
-    bytes; an fp8 instance reads both."""
+    """``auto`` shares k8v8's namespace; a slow tier (the defaults: a network filesystem's rate)
+    gets k8v8 files, and once its reads are measured faster than decoding saves, the engine's
+    bytes; a k8v8 instance reads both."""
     from kvtier.codec import CodecRates
 
     rates = CodecRates()
@@ -239,8 +239,8 @@ def test_auto_codes_a_tier_only_while_its_measured_rates_say_decoding_pays(tmp_p
     assert not rates.worth_coding(1.94)
     layout = KVLayout(2, 2, 64, torch.bfloat16)
     cfg = {"model_id": "m", "layout": layout, "host_bytes": 0, "disk_path": str(tmp_path)}
-    namespaces = {c: load_settings({**cfg, "kv_codec": c}).namespace().digest for c in ("auto", "fp8")}
-    assert namespaces["auto"] == namespaces["fp8"]
+    namespaces = {c: load_settings({**cfg, "kv_codec": c}).namespace().digest for c in ("auto", "k8v8")}
+    assert namespaces["auto"] == namespaces["k8v8"]
     kv = torch.randn(layout.shape(512)).to(torch.bfloat16)
     with TieredStore(load_settings({**cfg, "kv_codec": "auto"})) as store:
         store.put(list(range(256)), kv[:, :, :256])
@@ -253,7 +253,7 @@ def test_auto_codes_a_tier_only_while_its_measured_rates_say_decoding_pays(tmp_p
         store.flush()
     sizes = sorted(f.stat().st_size for f in chunk_files(tmp_path))
     assert len(sizes) == 2 and sizes[0] < 0.6 * sizes[1]  # the first chunk coded, the second not
-    with TieredStore(load_settings({**cfg, "kv_codec": "fp8"})) as store:
+    with TieredStore(load_settings({**cfg, "kv_codec": "k8v8"})) as store:
         got = store.get(list(range(512)))
         assert torch.equal(got[:, :, 256:], kv[:, :, 256:])  # the uncoded chunk: exact
         assert (got[:, :, :256].float() - kv[:, :, :256].float()).abs().max() < 0.5

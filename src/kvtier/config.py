@@ -81,8 +81,8 @@ class StoreConfig:
     """The weights' content alone, described beside the pool for ``kvtier doctor`` (not in keys)."""
     kv_codec: str = "none"
     """How chunks are stored on the disk tier and in the pool (``kvtier.codec``): ``none``,
-    ``lossless``, ``fp8``, ``k8v4`` or ``k8v8`` (``auto``: fp8 where it pays). A lossy one is part of
-    the namespace."""
+    ``lossless``, ``fp8``, ``k8v4`` or ``k8v8`` (``auto``: k8v8 where it pays). A lossy one is
+    part of the namespace."""
     io_threads: int = 8
     write_threads: int = 1
     write_queue_chunks: int | None = None

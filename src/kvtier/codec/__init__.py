@@ -2,8 +2,8 @@
 
 ``none`` stores the engine's bytes as they are; ``lossless`` (``codec.lossless``) splits each
 element's bytes into planes and compresses them with zstd; ``fp8``, ``k8v4`` and ``k8v8``
-(``codec.quant``) quantize, with scales per group; ``auto`` codes with ``fp8`` only on tiers where that reads back
-sooner (``codec.rates``). Host DRAM always holds the engine's own bytes: a codec runs
+(``codec.quant``) quantize, with scales per group; ``auto`` codes with ``k8v8`` only on tiers
+where that reads back sooner (``codec.rates``). Host DRAM always holds the engine's own bytes: a codec runs
 where a chunk is written to a file (the writer threads, off the engine's step) and where it is
 read back (the read threads).
 
@@ -70,10 +70,13 @@ class Codec(Protocol):
 
 CODECS: dict[str, Codec] = {c.name: c for c in (Lossless(), Fp8(), K8V4(), K8V8(), Fp8Cast())}
 AUTO = "auto"
+"""``AUTO_CODEC`` where a tier's measured rates say decoding costs less than the bytes it saves,
+the engine's bytes elsewhere (``codec.rates``); its namespace is ``AUTO_CODEC``'s."""
+AUTO_CODEC = "k8v8"
+"""What ``auto`` codes with: of the codecs about 2x smaller, the closest to exact KV on a real
+model and the fastest to decode (docs/codecs.md)."""
 LOSSLESS_RATIO = 1.5
 """What ``lossless`` saves on real KV, about (1.48-1.65 on SmolLM2's; docs/codecs.md)."""
-"""``fp8`` where a tier's measured rates say decoding costs less than the bytes it saves, the
-engine's bytes elsewhere (``codec.rates``); its namespace is ``fp8``'s."""
 NAMES = ("none", *CODECS, AUTO)
 
 
@@ -98,7 +101,7 @@ def parse_codec(name: object) -> str:
 
 def namespace_tag(name: str) -> str:
     """What a codec adds to the namespace: ``name/version`` for a lossy one, "" otherwise."""
-    codec = CODECS.get("fp8" if name == AUTO else name)
+    codec = CODECS.get(AUTO_CODEC if name == AUTO else name)
     return f"{codec.name}/{codec.version}" if codec is not None and codec.lossy else ""
 
 
@@ -171,7 +174,7 @@ def encoder_for(name: str, dtype: torch.dtype, layers: int, heads: int, head_dim
     geometry is unknown (pages as bytes, before the engine integration states it: chunks are
     then written as they are). Without ``geometry``, kvtier's canonical layout ``[layers, 2,
     tokens, heads, head_dim]`` of ``dtype``."""
-    codec = CODECS.get("fp8" if name == AUTO else name)
+    codec = CODECS.get(AUTO_CODEC if name == AUTO else name)
     if codec is None:
         return None
     if geometry is None:
