@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.cli.args import add_load_args, add_session_args
+from kvtier.plan.codecs import FIGURES as CODEC_FIGURES
 
 EXAMPLES = """examples:
   kvtier plan --preset seed --concurrency 8,16,32
@@ -52,7 +53,7 @@ def add_parser(sub: Any) -> None:
     h.add_argument("--probe", default=None, help="`kvtier probe --json` output: read/write bandwidth of --probe-tier")
     h.add_argument("--probe-tier", default="disk", help="tier the probe measured (default disk)")
     h.add_argument("--instances", type=int, default=None, help="instances sharing the pool (adds shared-pool-xN)")
-    h.add_argument("--kv-codec", default=None, choices=("lossless", "fp8", "k8v4"),
+    h.add_argument("--kv-codec", default=None, choices=tuple(CODEC_FIGURES),
                    help="the disk tier and the pool store KV through this codec: more tokens in their bytes, "
                         "read and written at the device's and the codec's rates together (docs/codecs.md)")
     h.add_argument("--codec-ratio", type=float, default=None,

@@ -25,9 +25,11 @@ class CodecFigures:
 
 FIGURES: dict[str, CodecFigures] = {
     # benchmarks/codec_speed.py, one core of the 2-core machine of docs/codecs.md, SmolLM2's chunk
-    "lossless": CodecFigures(1.48, 0.22e9, 1.17e9),
-    "fp8": CodecFigures(1.94, 0.64e9, 1.25e9),
-    "k8v4": CodecFigures(2.51, 0.31e9, 1.33e9),
+    # (two runs, their middle)
+    "lossless": CodecFigures(1.48, 0.33e9, 0.90e9),
+    "fp8": CodecFigures(1.97, 0.40e9, 0.92e9),
+    "k8v4": CodecFigures(2.51, 0.44e9, 1.45e9),
+    "k8v8": CodecFigures(1.91, 0.44e9, 2.25e9),
 }
 
 
