@@ -42,33 +42,20 @@ PROJECTS = ("Heron", "Atlas", "Juniper", "Quarry", "Lumen", "Vesper", "Marlow", 
 ANSWER_TOKENS = 16  # a probe's answer: its first 16 tokens
 
 
-def stdlib_files(count: int, min_bytes: int, skip: set[str]) -> list[str]:
-    from kvtier.bench.coding import stdlib_dir
-
-    root = stdlib_dir()
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                   if "test" not in p.parts and "idlelib" not in p.parts and p.stat().st_size >= min_bytes)
-    files = [f for f in files if f not in skip]
-    if len(files) < count:
-        raise SystemExit(f"only {len(files)} standard library files of {min_bytes} bytes or more")
-    step = len(files) / count
-    return [files[int(i * step)] for i in range(count)]
-
-
 def contexts(tokenizer: Any, n: int, lo: int, hi: int) -> list[list[int]]:
-    from kvtier.bench.coding import QUESTIONS, session
+    from kvtier.bench.coding import QUESTIONS, session, stdlib_files
 
-    names = stdlib_files(n, hi * 5, set())
+    names = stdlib_files(n, hi * 5)
     return [session(tokenizer, name, lo + (hi - lo) * i // max(1, n - 1), QUESTIONS[i % len(QUESTIONS)]).prompt
             for i, name in enumerate(names)]
 
 
 def probes(tokenizer: Any, n: int, tokens: int) -> list[list[int]]:
     """A fact in the first line, ``tokens`` of source after it, the question at the end."""
-    from kvtier.bench.coding import chat, stdlib_dir
+    from kvtier.bench.coding import chat, stdlib_dir, stdlib_files
 
     out = []
-    for i, name in enumerate(stdlib_files(n, tokens * 5, set())[::-1]):
+    for i, name in enumerate(stdlib_files(n, tokens * 5)[::-1]):
         project, code = PROJECTS[i % len(PROJECTS)], f"{(7919 * (i + 3)) % 90000 + 10000}-{'KXQZRTMW'[i % 8]}"
         lines = (stdlib_dir() / name).read_text(encoding="utf-8").splitlines()
 

@@ -42,14 +42,11 @@ def env_lines(path: Path) -> dict[str, str]:
 def sessions(model: Path, n: int, tokens: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from kvtier.bench.coding import QUESTIONS, session
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from codec_quality import stdlib_files
+    from kvtier.bench.coding import QUESTIONS, session, stdlib_files
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     return [session(tokenizer, name, tokens, QUESTIONS[i % len(QUESTIONS)]).prompt
-            for i, name in enumerate(stdlib_files(n + 1, tokens * 5, set()))]
+            for i, name in enumerate(stdlib_files(n + 1, tokens * 5))]
 
 
 def engine(model: Path, work: Path, name: str, prompts: list[list[int]], pool: str, codec: str,

@@ -38,6 +38,18 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def stdlib_files(count: int, min_bytes: int) -> list[str]:
+    """``count`` standard library sources (paths under ``stdlib_dir``) of ``min_bytes`` or more,
+    spread evenly over the sorted list; no tests and no IDLE. SystemExit when there are fewer."""
+    root = stdlib_dir()
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if "test" not in p.parts and "idlelib" not in p.parts and p.stat().st_size >= min_bytes)
+    if len(files) < count:
+        raise SystemExit(f"only {len(files)} standard library files of {min_bytes} bytes or more")
+    step = len(files) / count
+    return [files[int(i * step)] for i in range(count)]
+
+
 def _ids(encoded: Any) -> list[int]:
     """Token ids of ``apply_chat_template(..., tokenize=True)`` (a list, or a mapping in newer
     transformers releases)."""

@@ -3,9 +3,9 @@
 ``none`` stores the engine's bytes as they are; ``lossless`` (``codec.lossless``) splits each
 element's bytes into planes and compresses them with zstd; ``fp8``, ``k8v4`` and ``k8v8``
 (``codec.quant``) quantize, with scales per group; ``auto`` codes with ``k8v8`` only on tiers
-where that reads back sooner (``codec.rates``). Host DRAM always holds the engine's own bytes: a codec runs
-where a chunk is written to a file (the writer threads, off the engine's step) and where it is
-read back (the read threads).
+where that reads back sooner (``codec.rates``). Host DRAM always holds the engine's own bytes:
+a codec runs where a chunk is written to a file (the writer threads, off the engine's step) and
+where it is read back (the read threads).
 
 Contracts:
 
@@ -146,7 +146,7 @@ class Encoder:
     @property
     def ratio(self) -> float:
         """How many times fewer bytes a chunk stores coded (``auto``'s rule): exact for a codec
-        of fixed sizes (fp8, k8v4), the ``lossless`` figure measured on SmolLM2's KV otherwise."""
+        of fixed sizes (fp8, k8v4, k8v8), the ``lossless`` figure measured on SmolLM2's KV otherwise."""
         sizes = getattr(self.codec, "sizes", None)
         if sizes is None:
             return LOSSLESS_RATIO
