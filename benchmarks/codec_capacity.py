@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +34,9 @@ HELD = 0.9  # a resume "from the pool": it read at least this share of the sessi
 
 
 def run_suite(args: argparse.Namespace, codec: str, out: Path) -> None:
-    argv = [sys.executable, "-m", "kvtier.cli.main", "bench", "suite", "--preset", args.preset, "--configs", "shared-pool",
-            "--no-short-chat", "--no-probe", "--keep-work", "--concurrency", str(args.concurrency),
+    argv = [sys.executable, "-m", "kvtier.cli.main", "bench", "suite", "--preset", args.preset,
+            "--configs", "shared-pool", "--no-short-chat", "--no-probe", "--keep-work",
+            "--concurrency", str(args.concurrency),
             "--sessions", str(args.sessions), "--storage-bytes", args.storage_bytes,
             "--kvtier-setting", f"kv_codec={codec}", "--out", str(out)]
     if args.model:
@@ -46,12 +46,14 @@ def run_suite(args: argparse.Namespace, codec: str, out: Path) -> None:
 
 
 def figures(out: Path) -> dict[str, Any]:
+    from kvtier.bench.summary import percentile
+
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines() if line.strip()]
     populate = {r["session"]: r for r in rows if r["phase"] == "populate" and r["error"] is None}
     resumes = [r for r in rows if r["measured"] and r["error"] is None]
     held = [r for r in resumes if r["session"] in populate
             and (r["cached_tokens"] or 0) >= HELD * populate[r["session"]]["prompt_tokens"]]
-    ttfts = sorted(r["ttft_s"] for r in resumes)
+    ttfts = [r["ttft_s"] for r in resumes]
     files = list((out / "work").rglob("*.kvt"))
     return {
         "sessions": len(resumes),
@@ -59,8 +61,8 @@ def figures(out: Path) -> dict[str, Any]:
         "resumed_from_pool": len(held),
         "token_hit_rate": sum(r["cached_tokens"] or 0 for r in resumes) / max(1, sum(r["prompt_tokens"]
                                                                                       for r in resumes)),
-        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-        "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+        "ttft_p50_s": percentile(ttfts, 50),  # the suite's own percentiles (summary.json's)
+        "ttft_p90_s": percentile(ttfts, 90),
         "pool_bytes_on_disk": sum(f.stat().st_size for f in files),
         "pool_files": len(files),
     }
