@@ -62,27 +62,30 @@ def test_hardware_file_errors() -> None:
     assert hw.tier("disk").capacity_bytes == 2 << 40
 
 
-def fake_bench(tmp_path: Path, disk_entry: dict[str, Any] | None = None, settings: dict[str, Any] | None = None
-               ) -> Path:
+def fake_bench(tmp_path: Path, disk_entry: dict[str, Any] | None = None, settings: dict[str, Any] | None = None,
+               *, levels: tuple[int, ...] = (1, 2), lengths: tuple[int, ...] = (500, 1000, 2000, 3000),
+               configs: tuple[str, ...] = ("recompute", "local-disk")) -> Path:
     """A bench folder whose recompute TTFT is exactly 0.01 + n / 1000 s and whose ITL is 5 ms;
     ``disk_entry`` is merged into local-disk's configs.json entry, ``settings`` into env's."""
     rows: list[dict[str, Any]] = []
-    for i, n in enumerate((500, 1000, 2000, 3000)):
-        for c in (1, 2):
+    for i, n in enumerate(lengths):
+        for c in levels:
             for phase, turn, prompt in (("populate", 0, n), ("resume", 1, n + 50)):
                 common = {"instances": 1, "concurrency": c, "workload": "cold-resume", "phase": phase,
                           "measured": phase == "resume", "session": i + 10 * c, "turn": turn, "start_s": 0.0,
                           "itl_s": 0.005, "e2e_s": 1.0, "prompt_tokens": prompt, "output_tokens": 4,
                           "error": None, "status": 200}
-                rows.append({**common, "config": "recompute", "cached_tokens": 0, "ttft_s": 0.01 + prompt / 1000})
+                if "recompute" in configs:
+                    rows.append({**common, "config": "recompute", "cached_tokens": 0, "ttft_s": 0.01 + prompt / 1000})
                 cached = n // 256 * 256 if phase == "resume" else 0
                 ttft = 0.01 + (prompt - cached) / 1000 + cached * 8 / 1e6 + 0.002 if cached else 0.01 + prompt / 1000
                 rows.append({**common, "config": "local-disk", "cached_tokens": cached, "ttft_s": ttft})
     folder = tmp_path / "bench"
     folder.mkdir()
     (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "configs.json").write_text(json.dumps([{"config": "recompute", "status": "ok"},
-                                                     {"config": "local-disk", "status": "ok", **(disk_entry or {})}]))
+    entries = {"recompute": {"config": "recompute", "status": "ok"},
+               "local-disk": {"config": "local-disk", "status": "ok", **(disk_entry or {})}}
+    (folder / "configs.json").write_text(json.dumps([entries[c] for c in configs]))
     (folder / "env.json").write_text(json.dumps({
         "model_shape": {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
                         "head_dim": 1, "torch_dtype": "float32"},

@@ -113,3 +113,24 @@ def test_each_resumed_request_has_its_profile_joined_and_summarised(suite_run: P
     assert profile["requests"] == profile["loaded"] == 4 and profile["read_s"] > 0
     assert "Resume profile" in (suite_run / "summary.md").read_text()
     assert "profile_load_s" in (suite_run / "requests.csv").read_text().splitlines()[0]
+
+
+def test_the_planner_counts_the_storage_the_run_left_on_disk(suite_run: Path) -> None:
+    """``kvtier plan --check --json``'s capacity for the pool, from the requests the run
+    recorded, brackets what the run's pool holds (files and bytes counted on disk): the lower
+    bound where every answer re-tokenized to the tokens generated, the upper where none did."""
+    from kvtier.cli.main import main
+
+    out_file = suite_run / "plan-check.json"
+    with open(out_file, "w") as fh:
+        import contextlib
+
+        with contextlib.redirect_stdout(fh):
+            assert main(["plan", "--check", str(suite_run), "--json"]) == 0
+    capacity = json.loads(out_file.read_text())["capacity"]["shared-pool"]
+    predicted, on_disk = capacity["predicted"], capacity["on_disk"]
+    assert on_disk["files"] > 0
+    assert predicted["files_low"] <= on_disk["files"] <= predicted["files"]
+    assert predicted["bytes_low"] <= on_disk["bytes"] <= predicted["bytes"]
+    assert predicted["files"] <= 1.1 * predicted["files_low"]
+    assert predicted["inodes"] == pytest.approx(on_disk["inodes"], rel=0.1)

@@ -48,8 +48,8 @@ def add_parser(sub: Any) -> None:
     h.add_argument("--hardware", default=None, help="YAML/JSON: engine figures and tiers (host, disk, pool)")
     h.add_argument("--calibrate", default=None, metavar="BENCH_DIR",
                    help="fit engine and tier figures from a `kvtier bench` result folder")
-    h.add_argument("--calibrate-concurrency", type=int, default=1,
-                   help="concurrency level of the bench run to fit on (default 1)")
+    h.add_argument("--calibrate-concurrency", type=int, default=None,
+                   help="concurrency level of the bench run to fit on (default: its lowest; any level works)")
     h.add_argument("--probe", default=None, help="`kvtier probe --json` output: read/write bandwidth of --probe-tier")
     h.add_argument("--probe-tier", default="disk", help="tier the probe measured (default disk)")
     h.add_argument("--instances", type=int, default=None, help="instances sharing the pool (adds shared-pool-xN)")
@@ -64,7 +64,11 @@ def add_parser(sub: Any) -> None:
                    help="calibrate on one concurrency level of BENCH_DIR, predict every other cell of that run, "
                         "print predicted vs measured TTFT p50")
     o.add_argument("--markdown", default=None, help="with --check: also write the table to this file")
-    o.add_argument("--png", default=None, help="write TTFT p50 vs concurrency to this PNG")
+    o.add_argument("--png", default=None, help="write TTFT p50 vs concurrency, and hit rate and TTFT vs pool size, "
+                                               "to this PNG")
+    o.add_argument("--curve-points", type=int, default=6, metavar="N",
+                   help="pool sizes the capacity curve simulates per concurrency level, 5%%-100%% of the working "
+                        "set (default 6; 0: no curve)")
     o.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -161,15 +165,19 @@ def _workload_maker(args: argparse.Namespace) -> Any:
 def run_check(args: argparse.Namespace) -> int:
     from kvtier.cli.output import emit_json
     from kvtier.plan import calibrate as cal_mod
-    from kvtier.plan.check import cells_markdown, check
+    from kvtier.plan.check import capacity_markdown, cells_markdown, check, run_capacity, summary
 
     probe = cal_mod.load_probe(args.probe) if args.probe else None
     cal, cells = check(args.check, concurrency=args.calibrate_concurrency, probe=probe)
-    text = cells_markdown(cells)
+    capacity = run_capacity(args.check, cal)
+    notes = "".join(f"\n- {n}" for n in cal.notes)
+    text = cells_markdown(cells) + (f"\n\nCalibration notes:{notes}" if notes else "") \
+        + ("\n\nStorage the run's kvtier configurations left:\n\n" + capacity_markdown(capacity) if capacity else "")
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     if args.json:
-        emit_json({"bench_dir": args.check, "calibration": cal.to_dict(), "cells": [c.to_dict() for c in cells]})
+        emit_json({"bench_dir": args.check, "calibration": cal.to_dict(), "cells": [c.to_dict() for c in cells],
+                   "summary": summary(cells), "capacity": capacity})
     else:
         print(text)
     return 0
@@ -177,7 +185,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.cli.output import emit_json
-    from kvtier.plan.report import render_table, run_plan, write_png
+    from kvtier.plan.report import render_capacity, render_seed, render_table, run_plan, write_png
     from kvtier.plan.spec import default_configs, hardware_to_dict
 
     if args.check:
@@ -185,16 +193,51 @@ def run(args: argparse.Namespace) -> int:
     model, hw, info = _hardware(args)
     configs = default_configs(hw, args.instances)
     concurrency = [0] if args.trace else args.concurrency
-    rows = run_plan(model, hw, configs, concurrency, _workload_maker(args), seed=args.seed)
+    make = _workload_maker(args)
+    rows = run_plan(model, hw, configs, concurrency, make, seed=args.seed)
+    storage, curves = _storage(args, model, hw, configs, concurrency, make)
+    seed = _seed_side_by_side(args, rows)
+    if seed:
+        info["seed_table"] = seed
     if args.png:
-        write_png(rows, args.png)
+        write_png(rows, args.png, curves=curves)
     if args.json:
         emit_json({"model": {**model.__dict__, "bytes_per_token": model.bytes_per_token},
-                   "hardware": hardware_to_dict(hw), "rows": rows, **info, "png": args.png})
+                   "hardware": hardware_to_dict(hw), "rows": rows, **info, "capacity": storage,
+                   "capacity_curves": curves, "png": args.png})
     else:
         print(f"model {model.name}: {model.bytes_per_token} KV bytes/token; configurations: "
               + ", ".join(f"{c.name}={'+'.join(c.tiers) or 'none'}" for c in configs), file=sys.stderr)
         print(render_table(rows))
+        print(render_capacity(storage, curves))
+        if seed:
+            print(render_seed(seed))
         if args.png:
             print(f"wrote {args.png}")
     return 0
+
+
+def _seed_side_by_side(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """With ``--preset seed`` and the preset's own workload and hardware (no --calibrate,
+    --hardware, --trace or --sessions changing them), the plan beside the seed's table."""
+    from kvtier.plan.presets import seed_comparison
+
+    if args.preset != "seed" or args.calibrate or args.hardware or args.trace or args.sessions or args.kv_codec:
+        return []
+    return seed_comparison(rows)
+
+
+def _storage(args: argparse.Namespace, model: Any, hw: Any, configs: Any, concurrency: list[int],
+             make: Any) -> tuple[dict[int, Any], list[dict[str, Any]]]:
+    """Per concurrency level: the capacity each tier needs, and the capacity curve of the shared
+    pool (else the local disk) over ``--curve-points`` sizes."""
+    from kvtier.plan.capacity import capacity, capacity_curve
+
+    storage = {c: capacity(model, hw, make(c), instances=args.instances or hw.instances) for c in concurrency}
+    config = next((c for name in ("shared-pool", "local-disk") for c in configs if c.name == name), None)
+    if config is None or args.curve_points <= 0:
+        return storage, []
+    n = args.curve_points
+    fractions = [round(0.05 + 0.95 * i / (n - 1), 3) for i in range(n)] if n > 1 else [1.0]
+    return storage, [{"concurrency": c, **capacity_curve(model, hw, config, make(c), fractions, seed=args.seed)}
+                     for c in concurrency]

@@ -1,18 +1,23 @@
 """Hardware figures from measurements on the user's own machine: a ``kvtier bench`` result folder
 and, optionally, a ``kvtier probe --json`` output.
 
-What is fitted on what (all from requests at one concurrency level, ``concurrency=1`` by default):
+What is fitted on what, all from the requests at one concurrency level (by default the run's
+lowest; any level works, with or without a concurrency-1 level):
 
-* engine: ``TTFT = request_overhead_s + n / prefill_tokens_per_s + prefill_quadratic_s * n^2 / 2``,
-  least squares over the ``recompute`` configuration's requests with no cached tokens (every
-  workload, populate turns included: at concurrency 1 each is one cold prefill);
+* engine (``kvtier.plan.enginefit``): the prefill rate, its quadratic term and the request
+  overhead from the requests that prefilled a whole prompt (recompute's, else the populate
+  turns): per request at concurrency 1, by replaying the level through the simulator above it;
   ``ITL = decode_step_s + decode_context_s * prompt_tokens``, least squares over the same requests.
 * each tier configuration: read bandwidth from the engine's own kvtier metrics (tier
   ``bytes_read / read_seconds``) when the run recorded them, else the storage probe's kvtier
-  read figure; ``latency_s`` = median over that configuration's resumed requests of
+  read figure; ``latency_s`` absorbs the connector's per-request cost (lookup, file opens,
+  copies). At concurrency 1 it is the median over that configuration's resumed requests of
   ``TTFT - request_overhead - prefill(suffix after the cached prefix) - bytes / bandwidth``,
-  clamped at 0. It absorbs the connector's per-request cost (lookup, file opens, copies).
+  clamped at 0; above it, the latency at which the replayed level's TTFT p50 equals the
+  measured one (and where even no latency is too slow, the read rate that does).
 * ``max_batched_tokens``, KV space and host budget come from the suite's recorded settings.
+
+What the run cannot determine is named in ``Calibration.notes`` with the value used instead.
 """
 
 from __future__ import annotations
@@ -20,22 +25,25 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvtier.config import parse_bytes
-from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, TierSpec
+from kvtier.plan.enginefit import fit_engine, replay_p50
+from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, single
+from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
 from kvtier.tiers.kinds import KINDS
 
 log = logging.getLogger(__name__)
 
-Record = dict[str, Any]
-# Suite configuration -> (tier name in the plan, chunk tokens of that connector's keys).
+# Suite configuration -> tier name in the plan.
 CONFIG_TIERS = {"local-disk": "disk", "shared-pool": "pool"}
-CPU_BLOCK_TOKENS = 128  # vLLM's CPU backend block size
+# The chunk size each connector keys its cache by where it is not kvtier's 256 (ExampleConnector
+# keys whole prompts and matches at the engine's block size).
+CONNECTOR_CHUNK_TOKENS = {"example-connector": 128}
 _UNBOUNDED_BYTES = 1 << 50
 
 
@@ -84,67 +92,6 @@ def model_from_env(env: dict[str, Any]) -> ModelSpec:
                          "pass --model config.json") from None
 
 
-def _ok(r: Record) -> bool:
-    return bool(r.get("measured", True) or r.get("phase") == "populate") and r.get("error") is None \
-        and isinstance(r.get("ttft_s"), int | float)
-
-
-def max_batched_tokens(settings: dict[str, Any]) -> int:
-    """The suite's ``--max-num-batched-tokens`` (= ``--max-model-len``), recomputed from its settings."""
-    cold = settings.get("cold") or {}
-    lo_hi = cold.get("context_tokens") or [0, 16384]
-    out = int(lo_hi[1]) + (int(cold.get("turns", 2)) + 1) * (int(cold.get("question_tokens", 32))
-                                                             + int(cold.get("output_tokens", 32)) + 64) + 512
-    for w in settings.get("extra") or []:
-        hi = int((w.get("context_tokens") or [0, 0])[1])
-        out = max(out, hi + int(w.get("turns", 1)) * (int(w.get("question_tokens", 32))
-                                                      + int(w.get("output_tokens", 32)) + 64) + 512)
-    return out
-
-
-def fit_engine(records: Sequence[Record], env: dict[str, Any],
-               concurrency: int = 1) -> tuple[EngineSpec, dict[str, Any]]:
-    rows = [r for r in records if r.get("config") == "recompute" and r.get("concurrency") == concurrency
-            and _ok(r) and not r.get("cached_tokens") and int(r.get("instances", 1)) == 1]
-    if len(rows) < 3:
-        raise ValueError(f"calibration needs >= 3 recompute requests at concurrency {concurrency} without cached "
-                         f"tokens; found {len(rows)}")
-    n = np.array([float(r["prompt_tokens"]) for r in rows])
-    t = np.array([float(r["ttft_s"]) for r in rows])
-    design = np.stack([np.ones_like(n), n, n * n / 2.0], axis=1)
-    coef = np.linalg.lstsq(design, t, rcond=None)[0]
-    if coef[2] < 0 or coef[0] < 0:  # attention term or overhead fitted negative: drop it, refit
-        keep = [0, 1] if coef[0] >= 0 else [1, 2]
-        sub = np.linalg.lstsq(design[:, keep], t, rcond=None)[0]
-        coef = np.zeros(3)
-        coef[keep] = sub
-    overhead, per_token, quadratic = (max(0.0, float(c)) for c in coef)
-    if per_token <= 0:
-        raise ValueError("calibration: fitted prefill cost per token is not positive; the recompute requests "
-                         "do not grow with prompt length")
-    timed = [r for r in rows if isinstance(r.get("itl_s"), int | float)]
-    decode, decode_context = 0.0, 0.0
-    if len(timed) >= 2:
-        ctx = np.array([float(r["prompt_tokens"]) for r in timed])
-        itl = np.array([float(r["itl_s"]) for r in timed])
-        d0, d1 = np.linalg.lstsq(np.stack([np.ones_like(ctx), ctx], axis=1), itl, rcond=None)[0]
-        decode, decode_context = (float(d0), float(d1)) if d1 > 0 and d0 > 0 else (float(np.median(itl)), 0.0)
-    settings = env.get("settings") or {}
-    kv_gib = settings.get("kv_cache_gib")
-    engine = EngineSpec(prefill_tokens_per_s=1.0 / per_token, decode_step_s=decode, prefill_quadratic_s=quadratic,
-                        request_overhead_s=overhead, decode_context_s=decode_context,
-                        max_batched_tokens=max_batched_tokens(settings),
-                        hbm_kv_bytes=int(float(kv_gib) * (1 << 30)) if kv_gib else None,
-                        block_tokens=CPU_BLOCK_TOKENS)
-    pred = design @ np.array([overhead, per_token, quadratic])
-    fit = {"requests": len(rows), "prompt_tokens": [int(n.min()), int(n.max())],
-           "request_overhead_s": overhead, "prefill_tokens_per_s": 1.0 / per_token, "prefill_quadratic_s": quadratic,
-           "decode_step_s": decode, "decode_context_s": decode_context,
-           "max_abs_error_s": float(np.max(np.abs(pred - t))),
-           "max_rel_error": float(np.max(np.abs(pred - t) / t))}
-    return engine, fit
-
-
 def _metrics_read_rate(entry: Record, tier: str) -> float | None:
     """bytes_read / read_seconds of ``tier`` summed over the engine's workers' metric files."""
     nbytes, seconds = 0, 0.0
@@ -165,8 +112,62 @@ def probe_read_rate(probe: dict[str, Any] | None) -> float | None:
     return None
 
 
+def ran_tails(config: str, configs: Sequence[Record], env: dict[str, Any]) -> bool:
+    """Whether ``config`` ran kvtier's connector with tails (``tail_chunks``): a kvtier
+    configuration whose connector counted tail saves at all (runs from before tails existed have
+    no such counter) and whose ``--kvtier-setting``s did not turn them off."""
+    if config not in CONFIG_TIERS:
+        return False
+    settings = (env.get("settings") or {}).get("kvtier_settings") or {}
+    if settings.get("tail_chunks") is False:
+        return False
+    return any("tail_saves" in ((doc or {}).get("connector") or {})
+               for entry in configs if entry.get("config") == config
+               for doc in (entry.get("kvtier_metrics") or {}).values())
+
+
+def config_hardware(engine: EngineSpec, tier: TierSpec | None, config: str, configs: Sequence[Record],
+                    env: dict[str, Any]) -> tuple[HardwareSpec, PlanConfig]:
+    """What the simulator runs for one configuration of the run: its engine with the chunk size
+    its connector keys by and the tails it kept, and its tier (none for recompute)."""
+    hw = HardwareSpec(engine, (tier,) if tier is not None else ())
+    if config in CONNECTOR_CHUNK_TOKENS:
+        hw = with_engine(hw, chunk_tokens=CONNECTOR_CHUNK_TOKENS[config])
+    hw = with_engine(hw, tail_chunks=ran_tails(config, configs, env))
+    return hw, PlanConfig(config, tuple(t.name for t in hw.tiers))
+
+
+def _resumed(records: Sequence[Record], config: str, concurrency: int) -> list[Record]:
+    return [r for r in records if r.get("config") == config and r.get("concurrency") == concurrency
+            and r.get("measured") and r.get("error") is None and isinstance(r.get("ttft_s"), int | float)
+            and int(r.get("cached_tokens") or 0) > 0 and single(r)]
+
+
+def _replay_tier(spec: TierSpec, config: str, records: Sequence[Record], configs: Sequence[Record],
+                 env: dict[str, Any], model: ModelSpec, engine: EngineSpec, concurrency: int
+                 ) -> tuple[TierSpec, str | None]:
+    """The latency (else, where no latency is fast enough, the read rate) at which the replayed
+    level's TTFT p50 equals the measured one; and a note when the rate had to move."""
+    target = float(np.median(measured_ttfts(records, config, concurrency)))
+
+    def p50(latency: float, rate: float = spec.read_bytes_per_s) -> float:
+        hw, plan = config_hardware(engine, replace(spec, latency_s=latency, read_bytes_per_s=rate), config,
+                                   configs, env)
+        return replay_p50(records, model, hw, plan, concurrency)
+
+    latency, inside = fit_scalar(p50, target, 1e-5, 30.0, increasing=True)
+    if inside or latency > 1e-5:
+        return replace(spec, latency_s=latency), None
+    rate, _ = fit_scalar(lambda x: p50(0.0, x), target, spec.read_bytes_per_s,
+                         spec.read_bytes_per_s * 100, increasing=False)
+    return replace(spec, latency_s=0.0, read_bytes_per_s=rate), \
+        f"{config}: faster at concurrency {concurrency} than its measured read rate allows; read rate fitted " \
+        f"({rate / 1e9:.2f} GB/s)"
+
+
 def fit_tier(config: str, entry: Record, records: Sequence[Record], model: ModelSpec, engine: EngineSpec,
-             probe: dict[str, Any] | None, concurrency: int = 1) -> tuple[TierSpec, dict[str, Any]]:
+             probe: dict[str, Any] | None, concurrency: int = 1, configs: Sequence[Record] = (),
+             env: dict[str, Any] | None = None) -> tuple[TierSpec, dict[str, Any]]:
     tier_name = CONFIG_TIERS.get(config, config)
     source = "kvtier metrics"
     rate = _metrics_read_rate(entry, tier_name)
@@ -174,41 +175,63 @@ def fit_tier(config: str, entry: Record, records: Sequence[Record], model: Model
         rate, source = probe_read_rate(probe), "storage probe"
     if rate is None:
         rate, source = 1e9, "assumed 1 GB/s (no metrics, no probe)"
-    rows = [r for r in records if r.get("config") == config and r.get("concurrency") == concurrency and _ok(r)
-            and r.get("measured") and int(r.get("cached_tokens") or 0) > 0 and int(r.get("instances", 1)) == 1]
-    residuals = []
-    for r in rows:
-        cached, prompt = int(r["cached_tokens"]), int(r["prompt_tokens"])
-        compute = engine.request_overhead_s + engine.prefill_s(prompt - cached, cached)
-        residuals.append(float(r["ttft_s"]) - compute - cached * model.bytes_per_token / rate)
-    latency = max(0.0, float(np.median(residuals))) if residuals else 0.0
+    rows = _resumed(records, config, concurrency)
     probe_write = (probe or {}).get("write_gbps")
     write = float(probe_write) * 1e9 if isinstance(probe_write, int | float) and probe_write > 0 else rate
     known = KINDS.get(tier_name)  # another connector's configuration: a persistent local tier
-    spec = TierSpec(tier_name, _UNBOUNDED_BYTES, rate, write, latency, persistent=known.persistent if known else True,
+    spec = TierSpec(tier_name, _UNBOUNDED_BYTES, rate, write, 0.0, persistent=known.persistent if known else True,
                     shared=known.shared if known else False, write_queue_s=1e9)
-    return spec, {"read_bytes_per_s": rate, "rate_source": source, "latency_s": latency,
-                  "requests": len(residuals), "residuals_s": [round(x, 4) for x in residuals]}
+    fit: dict[str, Any] = {"rate_source": source, "requests": len(rows)}
+    if concurrency == 1 or not rows:
+        residuals = []
+        for r in rows:
+            cached, prompt = int(r["cached_tokens"]), int(r["prompt_tokens"])
+            compute = engine.request_overhead_s + engine.prefill_s(prompt - cached, cached)
+            residuals.append(float(r["ttft_s"]) - compute - cached * model.bytes_per_token / rate)
+        spec = replace(spec, latency_s=max(0.0, float(np.median(residuals))) if residuals else 0.0)
+        fit.update(method="residual per request", residuals_s=[round(x, 4) for x in residuals])
+    else:
+        spec, note = _replay_tier(spec, config, records, configs, env or {}, model, engine, concurrency)
+        fit.update(method="replay through the simulator", note=note)
+    return spec, {**fit, "read_bytes_per_s": spec.read_bytes_per_s, "latency_s": spec.latency_s}
 
 
-def calibrate(bench_dir: str | Path, *, probe: dict[str, Any] | None = None, concurrency: int = 1,
+def run_levels(records: Sequence[Record]) -> list[int]:
+    """The one-instance concurrency levels a run measured, lowest first."""
+    return sorted({int(r["concurrency"]) for r in records if r.get("measured") and single(r)
+                   and isinstance(r.get("concurrency"), int)})
+
+
+def calibrate(bench_dir: str | Path, *, probe: dict[str, Any] | None = None, concurrency: int | None = None,
               model: ModelSpec | None = None) -> Calibration:
-    """Fit the engine on ``recompute`` and one tier per other configuration, at ``concurrency``."""
+    """Fit the engine and one tier per other configuration at ``concurrency`` (default: the
+    run's lowest level)."""
     records, configs, env = load_bench(bench_dir)
+    levels = run_levels(records)
+    if concurrency is None:
+        if not levels:
+            raise ValueError(f"{bench_dir}: no measured request to calibrate on")
+        concurrency = levels[0]
+    elif concurrency not in levels:
+        raise ValueError(f"{bench_dir}: no measured request at concurrency {concurrency}; the run has "
+                         f"{', '.join(map(str, levels)) or 'none'}")
     model = model or model_from_env(env)
     probe = probe or env.get("storage_probe")
-    engine, engine_fit = fit_engine(records, env, concurrency)
-    cal = Calibration(model, engine, {}, concurrency, fit={"engine": engine_fit, "tiers": {}})
+    efit = fit_engine(records, env, model, concurrency)
+    cal = Calibration(model, efit.engine, {}, concurrency, notes=list(efit.notes),
+                      fit={"engine": efit.fit, "tiers": {}})
     for entry in configs:
         name = str(entry.get("config"))
-        if name == "recompute" or entry.get("status") != "ok":
+        if name in ("recompute", FLOOR) or entry.get("status") != "ok":
             if entry.get("status") != "ok":
                 cal.notes.append(f"{name}: status {entry.get('status')} in the run; not calibrated")
             continue
-        tier, tier_fit = fit_tier(name, entry, records, model, engine, probe, concurrency)
+        tier, tier_fit = fit_tier(name, entry, records, model, efit.engine, probe, concurrency, configs, env)
         if tier_fit["requests"] == 0:
             cal.notes.append(f"{name}: no resumed request with cached tokens at concurrency {concurrency}; "
                              "latency set to 0")
+        if tier_fit.get("note"):
+            cal.notes.append(tier_fit["note"])
         cal.tiers[name] = tier
         cal.fit["tiers"][name] = tier_fit
     host_bytes = (env.get("settings") or {}).get("host_bytes")

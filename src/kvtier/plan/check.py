@@ -6,7 +6,9 @@ prompt and output lengths, populate turns unmeasured, an engine restart before t
 (cold-resume), ``concurrency`` closed-loop users. Cached prefixes are *predicted* (what the
 populate turns stored: whole chunks, and tails where the run's connector kept them, see
 ``ran_tails``), not copied from the measured run; the measured cached
-tokens are shown beside the prediction so a hit-rate miss is visible rather than hidden.
+tokens are shown beside the prediction so a hit-rate miss is visible rather than hidden. The
+workload is rebuilt by ``kvtier.plan.replay``, and each configuration's hardware by
+``calibrate.config_hardware``, the same ones calibration replays above concurrency 1.
 """
 
 from __future__ import annotations
@@ -18,14 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.plan.calibrate import CONFIG_TIERS, Calibration, Record, calibrate, load_bench
+from kvtier.plan.calibrate import CONFIG_TIERS, Calibration, calibrate, config_hardware, load_bench, ran_tails
+from kvtier.plan.capacity import StoreShape, count_on_disk, footprint
+from kvtier.plan.replay import FLOOR, rebuild_workload, single
 from kvtier.plan.sim import simulate
-from kvtier.plan.spec import HardwareSpec, PlanConfig, with_engine
-from kvtier.plan.workload import Phase, Turn
 
-# The chunk size each connector keys its cache by (kvtier and LMCache: 256; ExampleConnector keys
-# whole prompts and matches at the engine's block size).
-CONNECTOR_CHUNK_TOKENS = {"example-connector": 128}
 TOLERANCE = 0.25
 
 
@@ -40,95 +39,122 @@ class Cell:
     measured_cached: int
     predicted_cached: int
     calibration: bool
+    measured_p90_s: float = float("nan")
+    predicted_p90_s: float = float("nan")
 
     @property
     def error(self) -> float:
         return self.predicted_p50_s / self.measured_p50_s - 1.0
 
+    @property
+    def p90_error(self) -> float:
+        return self.predicted_p90_s / self.measured_p90_s - 1.0
+
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "error": self.error, "within_tolerance": abs(self.error) <= TOLERANCE}
+        return {**self.__dict__, "error": self.error, "p90_error": self.p90_error,
+                "within_tolerance": abs(self.error) <= TOLERANCE}
 
 
-def _session_key(r: Record) -> tuple[int, str]:
-    s = r.get("session")
-    return (int(str(s)), "") if str(s).isdigit() else (0, str(s))
-
-
-def rebuild_workload(records: Sequence[Record], config: str, workload: str, concurrency: int) -> tuple[Phase, ...]:
-    rows = [r for r in records if r.get("config") == config and r.get("workload") == workload
-            and r.get("concurrency") == concurrency and int(r.get("instances", 1)) == 1]
-    by_session: dict[str, list[Record]] = {}
-    for r in sorted(rows, key=lambda r: (_session_key(r), int(r.get("turn") or 0))):
-        by_session.setdefault(str(r.get("session")), []).append(r)
-
-    def turn(r: Record, measured: bool) -> Turn:
-        return Turn(str(r.get("session")), int(r["prompt_tokens"]), max(1, int(r.get("output_tokens") or 1)),
-                    None, 0.0, measured)
-
-    populate = tuple((turn(r, False),) for rs in by_session.values() for r in rs if r.get("phase") == "populate")
-    measured = tuple(tuple(turn(r, True) for r in rs if r.get("measured")) for rs in by_session.values())
-    measured = tuple(s for s in measured if s)
-    phases = []
-    if populate:
-        phases.append(Phase(populate, concurrency, False, "populate"))
-    phases.append(Phase(measured, concurrency, bool(populate), "measured"))
-    return tuple(phases)
-
-
-def ran_tails(config: str, configs: Sequence[Record], env: dict[str, Any]) -> bool:
-    """Whether ``config`` ran kvtier's connector with tails (``tail_chunks``): a kvtier
-    configuration whose connector counted tail saves at all (runs from before tails existed have
-    no such counter) and whose ``--kvtier-setting``s did not turn them off."""
-    if config not in CONFIG_TIERS:
-        return False
-    settings = (env.get("settings") or {}).get("kvtier_settings") or {}
-    if settings.get("tail_chunks") is False:
-        return False
-    return any("tail_saves" in ((doc or {}).get("connector") or {})
-               for entry in configs if entry.get("config") == config
-               for doc in (entry.get("kvtier_metrics") or {}).values())
-
-
-def check(bench_dir: str | Path, *, concurrency: int = 1, probe: dict[str, Any] | None = None
+def check(bench_dir: str | Path, *, concurrency: int | None = None, probe: dict[str, Any] | None = None
           ) -> tuple[Calibration, list[Cell]]:
-    """Calibrate at ``concurrency`` and predict TTFT p50 of every (config, workload, concurrency)."""
+    """Calibrate at ``concurrency`` (default: the run's lowest level) and predict TTFT p50 and
+    p90 of every (config, workload, concurrency) of the run."""
     records, configs, env = load_bench(bench_dir)
     cal = calibrate(bench_dir, probe=probe, concurrency=concurrency)
     cells = []
     groups = sorted({(str(r.get("workload")), str(r.get("config")), int(r.get("concurrency") or 0))
-                     for r in records if r.get("measured") and int(r.get("instances", 1)) == 1})
+                     for r in records if r.get("measured") and single(r)})
     for workload, config, c in groups:
-        if config != "recompute" and config not in cal.tiers:
+        if config not in ("recompute", FLOOR) and config not in cal.tiers:
             continue
-        ok = [r for r in records if r.get("config") == config and r.get("workload") == workload
+        ok = [float(r["ttft_s"]) for r in records if r.get("config") == config and r.get("workload") == workload
               and r.get("concurrency") == c and r.get("measured") and r.get("error") is None
-              and isinstance(r.get("ttft_s"), int | float) and int(r.get("instances", 1)) == 1]
+              and isinstance(r.get("ttft_s"), int | float) and single(r)]
         if not ok:
             continue
-        hw = cal.hardware([config]) if config != "recompute" else HardwareSpec(cal.engine)
-        if config in CONNECTOR_CHUNK_TOKENS:
-            hw = with_engine(hw, chunk_tokens=CONNECTOR_CHUNK_TOKENS[config])
-        hw = with_engine(hw, tail_chunks=ran_tails(config, configs, env))
-        plan = PlanConfig(config, tuple(t.name for t in hw.tiers))
+        cached = sum(int(r.get("cached_tokens") or 0) for r in records if r.get("config") == config
+                     and r.get("workload") == workload and r.get("concurrency") == c and r.get("measured")
+                     and r.get("error") is None and single(r))
+        hw, plan = config_hardware(cal.engine, cal.tiers.get(config), config, configs, env)
         result = simulate(cal.model, hw, plan, rebuild_workload(records, config, workload, c))
         predicted_cached = int(result.hbm_tokens.sum() + sum(v.sum() for v in result.loaded_tokens.values()))
-        cells.append(Cell(workload, config, c, len(ok), float(np.percentile([r["ttft_s"] for r in ok], 50)),
-                          float(np.percentile(result.ttft_s, 50)), sum(int(r.get("cached_tokens") or 0) for r in ok),
-                          predicted_cached, c == concurrency))
+        cells.append(Cell(workload, config, c, len(ok), float(np.percentile(ok, 50)),
+                          float(np.percentile(result.ttft_s, 50)), cached, predicted_cached,
+                          c == cal.concurrency, float(np.percentile(ok, 90)), float(np.percentile(result.ttft_s, 90))))
     return cal, cells
+
+
+def run_capacity(bench_dir: str | Path, cal: Calibration) -> dict[str, Any]:
+    """Per kvtier configuration of the run: the storage its requests should have left
+    (``capacity.footprint`` of every request it served, all levels and workloads) and, where
+    the run's work folder is still there, what its pool or disk tier holds on disk."""
+    records, configs, env = load_bench(bench_dir)
+    settings = env.get("settings") or {}
+    kvtier_settings = settings.get("kvtier_settings") or {}
+    out: dict[str, Any] = {}
+    for config in (c for c in CONFIG_TIERS if c in cal.tiers):
+        sessions: dict[str, list[tuple[int, int]]] = {}
+        rows = [r for r in records if r.get("config") == config and single(r) and r.get("error") is None
+                and isinstance(r.get("prompt_tokens"), int)]
+        for r in sorted(rows, key=lambda r: int(r.get("turn") or 0)):
+            sessions.setdefault(f"{r.get('workload')}/{r.get('concurrency')}/{r.get('session')}", []).append(
+                (int(r["prompt_tokens"]), max(1, int(r.get("output_tokens") or 1))))
+        shape = StoreShape(int(settings.get("chunk_tokens") or 256), cal.engine.block_tokens,
+                           ran_tails(config, configs, env), kvtier_settings.get("save_decode") is not False)
+        entry: dict[str, Any] = {"predicted": footprint(sessions.values(), cal.model, shape)}
+        work = Path(bench_dir) / "work" / config
+        dirs = [work / "pool"] if config == "shared-pool" else sorted(work.glob("disk-*"))
+        if dirs and all(d.is_dir() for d in dirs):
+            counted = [count_on_disk(d) for d in dirs]
+            entry["on_disk"] = {k: sum(c[k] for c in counted) for k in counted[0]}
+        out[config] = entry
+    return out
+
+
+def summary(cells: Sequence[Cell]) -> dict[str, Any]:
+    """The check's verdict over the held-out cells: how many within tolerance, median |error| of
+    p50 and p90, and the same for the cold-resume cells alone (the issue's accuracy bar)."""
+    held = [c for c in cells if not c.calibration]
+    cold = [c for c in held if c.workload == "cold-resume"]
+
+    def med(values: list[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+    return {"held_out": len(held), "within_tolerance": sum(abs(c.error) <= TOLERANCE for c in held),
+            "median_abs_error": med([abs(c.error) for c in held]),
+            "median_abs_p90_error": med([abs(c.p90_error) for c in held]),
+            "cold_resume_held_out": len(cold), "cold_resume_within_tolerance": sum(abs(c.error) <= TOLERANCE
+                                                                                  for c in cold),
+            "cold_resume_median_abs_error": med([abs(c.error) for c in cold]), "tolerance": TOLERANCE}
+
+
+def capacity_markdown(capacity: dict[str, Any]) -> str:
+    lines = ["| config | sessions | chunks + tails | files predicted / on disk | bytes predicted / on disk |",
+             "|---|---|---|---|---|"]
+    for config, entry in capacity.items():
+        p, d = entry["predicted"], entry.get("on_disk") or {}
+        lines.append(f"| {config} | {p['sessions']} | {p['chunks']} + {p['tails']} | {p['files']} / "
+                     f"{d.get('files', '-')} | {p['bytes']} / {d.get('bytes', '-')} |")
+    return "\n".join(lines)
 
 
 def cells_markdown(cells: Sequence[Cell]) -> str:
     lines = ["| workload | config | concurrency | requests | measured TTFT p50 (s) | predicted (s) | error | "
-             "cached tokens measured / predicted |",
-             "|---|---|---|---|---|---|---|---|"]
+             "p90 measured / predicted (s) | p90 error | cached tokens measured / predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         mark = " (calibration)" if c.calibration else ("" if abs(c.error) <= TOLERANCE else " **miss**")
         lines.append(f"| {c.workload} | {c.config} | {c.concurrency}{mark} | {c.requests} | {c.measured_p50_s:.3f} | "
-                     f"{c.predicted_p50_s:.3f} | {c.error:+.0%} | {c.measured_cached} / {c.predicted_cached} |")
-    held_out = [c for c in cells if not c.calibration]
-    inside = sum(abs(c.error) <= TOLERANCE for c in held_out)
+                     f"{c.predicted_p50_s:.3f} | {c.error:+.0%} | {c.measured_p90_s:.3f} / {c.predicted_p90_s:.3f} | "
+                     f"{c.p90_error:+.0%} | {c.measured_cached} / {c.predicted_cached} |")
+    s = summary(cells)
     lines.append("")
-    lines.append(f"Held-out cells within ±{TOLERANCE:.0%}: {inside} of {len(held_out)}"
-                 + (f"; median |error| {np.median([abs(c.error) for c in held_out]):.0%}" if held_out else ""))
+    if s["held_out"]:
+        lines.append(f"Held-out cells within ±{TOLERANCE:.0%}: {s['within_tolerance']} of {s['held_out']}; median "
+                     f"|error| {s['median_abs_error']:.0%} (p90: {s['median_abs_p90_error']:.0%})")
+    if s["cold_resume_held_out"]:
+        lines.append(f"Cold-resume held-out cells within ±{TOLERANCE:.0%}: {s['cold_resume_within_tolerance']} of "
+                     f"{s['cold_resume_held_out']}; median |error| {s['cold_resume_median_abs_error']:.0%}")
+    if not s["held_out"]:
+        lines.append("No held-out cell: the run has one concurrency level.")
     return "\n".join(lines)

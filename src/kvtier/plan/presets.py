@@ -58,3 +58,26 @@ SEED_WORKLOAD: dict[str, Any] = {"kind": "cold-resume", "context": (5707, 38475)
 # The seed's published table: concurrency -> (pool, local NVMe, recompute) TTFT p50 in seconds.
 SEED_TABLE = {8: (7.53, 10.17, None), 16: (11.85, 17.31, 149.48), 32: (26.35, 35.73, None)}
 SEED_TOK_S = {8: (56.6, 43.9, None), 16: (74.9, 53.6, 4.1), 32: (71.6, 53.9, None)}
+
+# Which of the table's cells the preset was fitted to (the rest are predictions).
+SEED_FITTED = {("shared-pool", 16): "context range centred to fit it", ("recompute", 16): "prefill rate fitted to it"}
+_SEED_COLUMNS = ("shared-pool", "local-disk", "recompute")
+
+
+def seed_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The plan's TTFT p50 and tok/s beside the seed's published table, per cell the seed gives
+    (pool and local NVMe at 8/16/32, recompute at 16), with the error and whether the preset was
+    fitted to that cell (``fitted``) or the cell is an independent prediction."""
+    out = []
+    for c, published in SEED_TABLE.items():
+        for config, ttft, tok_s in zip(_SEED_COLUMNS, published, SEED_TOK_S[c], strict=True):
+            row = next((r for r in rows if r["config"] == config and r["concurrency"] == c and r.get("requests")),
+                       None)
+            if ttft is None or row is None:
+                continue
+            plan_tok_s = row.get("output_tok_s")
+            out.append({"concurrency": c, "config": config, "seed_ttft_p50_s": ttft, "plan_ttft_p50_s":
+                        row["ttft_p50_s"], "ttft_error": row["ttft_p50_s"] / ttft - 1.0, "seed_tok_s": tok_s,
+                        "plan_tok_s": plan_tok_s, "tok_s_error": plan_tok_s / tok_s - 1.0 if plan_tok_s else None,
+                        "fitted": SEED_FITTED.get((config, c))})
+    return out

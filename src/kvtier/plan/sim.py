@@ -25,6 +25,9 @@ With ``instances = N`` one instance is simulated and the others are assumed to b
 image: a shared tier gives it ``1/N`` of its bandwidth and capacity, and a session's later turn
 lands on the same instance (where HBM, host and disk still hold its KV) with probability ``1/N``.
 
+A request reaches the engine ``request_overhead_s`` after the front end (one process: HTTP,
+tokenizer) is free: requests sent together queue there first, one at a time.
+
 What it ignores: network and tokenizer time other than ``request_overhead_s``, preemption,
 speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier order, GPU/CPU
 copy time separate from the tier read, and any overlap of loads with compute.
@@ -224,6 +227,7 @@ class _Simulation:
         self.done: list[_Req] = []
         self.capacity_miss = 0
         self.now = 0.0
+        self.frontend_free_s = 0.0  # when the front end is done with the requests sent so far
 
     def decode_cost(self, decoding: list[_Req]) -> float:
         # Decode attention reads every decoding request's whole context once per step.
@@ -365,7 +369,9 @@ class _PhaseRun:
             t = max(t, self.origin + (turn.arrival_s or 0.0))
         local = k == 0 or sim.instances == 1 or sim.rng.random() < 1.0 / sim.instances
         r = _Req(turn, k, worker if worker >= 0 else session_index, t, local)
-        heapq.heappush(self.arrivals, (t + sim.eng.request_overhead_s, self.seq, r))
+        # One front end (vLLM's API server: HTTP, tokenizer) takes requests one at a time.
+        sim.frontend_free_s = max(t, sim.frontend_free_s) + sim.eng.request_overhead_s
+        heapq.heappush(self.arrivals, (sim.frontend_free_s, self.seq, r))
         self.seq += 1
 
     def finish(self, r: _Req, t: float) -> None:

@@ -125,7 +125,8 @@ class EngineSpec:
     attention over the context). A step costs ``step_overhead_s``, plus its prefill chunks, plus,
     when ``b > 0`` requests decode in it, ``decode_step_s + b * decode_per_seq_s +
     decode_context_s * (sum of their context tokens)``. ``request_overhead_s`` is paid once per
-    request outside the engine (HTTP, tokenizer) and delays its arrival.
+    request outside the engine (HTTP, tokenizer) and delays its arrival; the front end that
+    pays it handles one request at a time, so requests sent together reach the engine in turn.
     ``tail_chunks`` (the vLLM connector's setting, on by default there) also keeps the prompt's
     blocks after its last full chunk, in steps of ``keys.tail_step`` tokens, as one *tail* whose
     read costs a full chunk's bytes; off, the tiers hold whole chunks only (LMCache, SGLang).

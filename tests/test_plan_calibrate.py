@@ -1,0 +1,65 @@
+"""Calibration from any bench folder: no concurrency-1 level, prompts too alike to fit every
+term, no recompute configuration. It never stops for want of a term, names what it could not
+determine, and reports the rate's uncertainty."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tests.test_plan_cli import fake_bench
+
+from kvtier.cli.main import main
+from kvtier.plan.calibrate import calibrate
+from kvtier.plan.replay import fit_scalar, median_band
+
+
+def test_without_a_concurrency_1_level_it_calibrates_on_the_lowest_by_replay(tmp_path: Path) -> None:
+    cal = calibrate(fake_bench(tmp_path, levels=(4, 8)))
+    engine_fit = cal.fit["engine"]
+    assert cal.concurrency == 4
+    assert engine_fit["method"] == "replay through the simulator"
+    lo, hi = engine_fit["prefill_tokens_per_s_range"]
+    assert lo <= cal.engine.prefill_tokens_per_s <= hi
+    # At concurrency 4 each TTFT holds the wait behind the others: the replay credits the engine
+    # with more than the 1000 tokens/s a single request's TTFT shows.
+    assert cal.engine.prefill_tokens_per_s > 1000
+    assert any("prefill_quadratic_s" in n for n in cal.notes)
+    assert cal.fit["tiers"]["local-disk"]["method"] == "replay through the simulator"
+
+
+def test_a_level_that_is_not_in_the_run_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no measured request at concurrency 3; the run has 1, 2"):
+        calibrate(fake_bench(tmp_path), concurrency=3)
+
+
+def test_prompts_too_alike_for_a_slope_fit_the_rate_alone_and_say_so(tmp_path: Path) -> None:
+    cal = calibrate(fake_bench(tmp_path, lengths=(2000, 2010, 2020, 2030)))
+    assert cal.engine.prefill_quadratic_s == 0.0
+    assert cal.engine.request_overhead_s == pytest.approx(0.02)  # the stated default: no floor in this run
+    assert any("request_overhead_s" in n and "default" in n for n in cal.notes)
+    # TTFT = 0.01 + n/1000 read through a 0.02 s overhead: about 1005 tokens/s.
+    assert cal.engine.prefill_tokens_per_s == pytest.approx(1005, rel=0.01)
+
+
+def test_without_recompute_the_populate_turns_fit_the_engine(tmp_path: Path) -> None:
+    cal = calibrate(fake_bench(tmp_path, configs=("local-disk",)))
+    assert cal.fit["engine"]["source"] == "populate turns"
+    assert cal.engine.prefill_tokens_per_s == pytest.approx(1000, rel=1e-6)
+
+
+def test_check_json_carries_the_summary_and_p90(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--check", str(fake_bench(tmp_path, levels=(2, 4))), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["calibration"]["calibrated_on_concurrency"] == 2
+    assert out["summary"]["held_out"] == 2
+    assert all(c["predicted_p90_s"] >= c["predicted_p50_s"] for c in out["cells"])
+
+
+def test_bisection_and_the_median_band() -> None:
+    x, inside = fit_scalar(lambda v: v * v, 9.0, 0.1, 100.0, increasing=True)
+    assert inside and x == pytest.approx(3.0, rel=1e-4)
+    assert fit_scalar(lambda v: v, 500.0, 1.0, 10.0, increasing=True) == (10.0, False)
+    lo, hi = median_band([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    assert 2.0 <= lo <= 4.0 <= hi <= 6.0
