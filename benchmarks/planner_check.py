@@ -4,6 +4,7 @@
     python benchmarks/planner_check.py check BENCH_DIR  # = kvtier plan --check BENCH_DIR
     python benchmarks/planner_check.py seed             # the seed's worked example vs its table
     python benchmarks/planner_check.py short-chat       # the case where tiering does not pay
+    python benchmarks/planner_check.py agree RUN_A RUN_B   # how far two runs of one suite agree
 """
 
 from __future__ import annotations
@@ -110,6 +111,30 @@ def short_chat() -> None:
     print(render_table(rows, "short chat: 4 turns of 256-2048 tokens, 5 s think time"))
 
 
+def agree(a: str, b: str) -> None:
+    """Measured TTFT p50 of every cell two runs share, their ratio, and the median |difference|:
+    the noise a prediction from one run is judged against."""
+    import numpy as np
+
+    from kvtier.plan.calibrate import load_bench
+
+    def cells(folder: str) -> dict[tuple[str, str, int], float]:
+        records = load_bench(folder)[0]
+        keys = {(r["workload"], r["config"], r["concurrency"]) for r in records if r.get("measured")}
+        return {k: float(np.median([r["ttft_s"] for r in records if (r["workload"], r["config"], r["concurrency"]) == k
+                                    and r.get("measured") and r.get("error") is None])) for k in keys}
+
+    first, second = cells(a), cells(b)
+    print("| workload | config | concurrency | TTFT p50 run A (s) | run B (s) | B / A |")
+    print("|---|---|---|---|---|---|")
+    ratios = []
+    for key in sorted(set(first) & set(second)):
+        ratios.append(second[key] / first[key])
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {first[key]:.3f} | {second[key]:.3f} | {ratios[-1]:.2f} |")
+    diffs = [abs(r - 1.0) for r in ratios]
+    print(f"\n{len(ratios)} cells; median |B/A - 1| {np.median(diffs):.0%}, largest {max(diffs):.0%}")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "speed"
     if what == "speed":
@@ -124,5 +149,7 @@ if __name__ == "__main__":
         fit_seed()
     elif what == "short-chat":
         short_chat()
+    elif what == "agree":
+        agree(sys.argv[2], sys.argv[3])
     else:
         sys.exit(__doc__)

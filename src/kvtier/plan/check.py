@@ -129,12 +129,14 @@ def summary(cells: Sequence[Cell]) -> dict[str, Any]:
 
 
 def capacity_markdown(capacity: dict[str, Any]) -> str:
-    lines = ["| config | sessions | chunks + tails | files predicted / on disk | bytes predicted / on disk |",
-             "|---|---|---|---|---|"]
+    lines = ["| config | sessions | chunks + tails | files predicted (lower bound) / on disk | "
+             "bytes predicted (lower bound) / on disk |", "|---|---|---|---|---|"]
     for config, entry in capacity.items():
         p, d = entry["predicted"], entry.get("on_disk") or {}
-        lines.append(f"| {config} | {p['sessions']} | {p['chunks']} + {p['tails']} | {p['files']} / "
-                     f"{d.get('files', '-')} | {p['bytes']} / {d.get('bytes', '-')} |")
+        lines.append(f"| {config} | {p['sessions']} | {p['chunks']} + {p['tails']} | {p['files']} ({p['files_low']}) / "
+                     f"{d.get('files', '-')} | {p['bytes']} ({p['bytes_low']}) / {d.get('bytes', '-')} |")
+    if any("on_disk" not in e for e in capacity.values()):
+        lines.append("\nOn disk: '-' where the run's work folder is gone (`kvtier bench suite --keep-work` keeps it).")
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ SEED_TABLE = {8: (7.53, 10.17, None), 16: (11.85, 17.31, 149.48), 32: (26.35, 35
 SEED_TOK_S = {8: (56.6, 43.9, None), 16: (74.9, 53.6, 4.1), 32: (71.6, 53.9, None)}
 
 # Which of the table's cells the preset was fitted to (the rest are predictions).
-SEED_FITTED = {("shared-pool", 16): "context range centred to fit it", ("recompute", 16): "prefill rate fitted to it"}
+SEED_FITTED = {("shared-pool", 16): "the context range's centre", ("recompute", 16): "the prefill rate"}
 _SEED_COLUMNS = ("shared-pool", "local-disk", "recompute")
 
 
