@@ -159,28 +159,41 @@ def replay_p50(records: Sequence[Record], model: ModelSpec, hw: HardwareSpec, co
 
 def _fit_by_replay(records: Sequence[Record], rows: Sequence[Record], base: EngineSpec, model: ModelSpec,
                    concurrency: int) -> tuple[EngineSpec, tuple[float, float | None], list[str]]:
+    """Rate and overhead at a concurrent level: the overhead by replaying the floor (every
+    resume a hit in the engine's own cache: its TTFT is the front end's queue and one short
+    step), the rate by replaying recompute with that overhead; twice, each with the other's
+    latest value."""
     guess = float(np.median([float(r["prompt_tokens"]) / float(r["ttft_s"]) for r in rows]))
-    overhead = floor_overhead(records, concurrency, 1.0 / guess)
     notes = ["prefill_quadratic_s: not separable from queueing above concurrency 1: set to 0"]
-    if overhead is None:
-        overhead = DEFAULT_OVERHEAD_S
-        notes.append(f"request_overhead_s: no floor run at concurrency {concurrency}: default {DEFAULT_OVERHEAD_S} s")
-    config = PlanConfig("recompute")
-
-    def p50(rate: float) -> float:
-        engine = EngineSpec(**{**base.__dict__, "prefill_tokens_per_s": rate, "request_overhead_s": overhead})
-        return replay_p50(records, model, HardwareSpec(engine), config, concurrency)
-
+    floor = measured_ttfts(records, FLOOR, concurrency)
     measured = measured_ttfts(records, "recompute", concurrency)
-    rate, inside = fit_scalar(p50, float(np.median(measured)), guess / 4.0, guess * 64.0, increasing=False)
+
+    def engine(rate: float, overhead: float) -> EngineSpec:
+        return EngineSpec(**{**base.__dict__, "prefill_tokens_per_s": rate, "request_overhead_s": overhead})
+
+    def p50(config: str, rate: float, overhead: float) -> float:
+        return replay_p50(records, model, HardwareSpec(engine(rate, overhead)), PlanConfig(config), concurrency)
+
+    def fit_overhead(rate: float) -> float:
+        return fit_scalar(lambda o: p50(FLOOR, rate, o), float(np.median(floor)), 1e-4, 5.0, increasing=True)[0]
+
+    def fit_rate(overhead: float, target: float) -> tuple[float, bool]:
+        return fit_scalar(lambda x: p50("recompute", x, overhead), target, guess / 4.0, guess * 64.0,
+                          increasing=False)
+
+    overhead, rate, inside = DEFAULT_OVERHEAD_S, guess, True
+    for _ in range(2):
+        if floor:
+            overhead = fit_overhead(rate)
+        rate, inside = fit_rate(overhead, float(np.median(measured)))
+    if not floor:
+        notes.append(f"request_overhead_s: no floor run at concurrency {concurrency}: default {DEFAULT_OVERHEAD_S} s")
     if not inside:
         notes.append(f"prefill_tokens_per_s: the replay cannot reach the measured p50 at concurrency {concurrency}; "
                      f"{rate:.0f} tokens/s is the end of the range searched")
     lo, hi = median_band(measured)
-    band = (fit_scalar(p50, hi, guess / 4.0, guess * 64.0, increasing=False)[0],
-            fit_scalar(p50, lo, guess / 4.0, guess * 64.0, increasing=False)[0])
-    engine = EngineSpec(**{**base.__dict__, "prefill_tokens_per_s": rate, "request_overhead_s": overhead})
-    return engine, band, notes
+    band = (fit_rate(overhead, hi)[0], fit_rate(overhead, lo)[0])
+    return engine(rate, overhead), band, notes
 
 
 def fit_engine(records: Sequence[Record], env: dict[str, Any], model: ModelSpec, concurrency: int = 1) -> EngineFit:
