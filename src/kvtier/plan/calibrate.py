@@ -186,7 +186,8 @@ def fit_tier(config: str, entry: Record, records: Sequence[Record], model: Model
         residuals = []
         for r in rows:
             cached, prompt = int(r["cached_tokens"]), int(r["prompt_tokens"])
-            compute = engine.request_overhead_s + engine.prefill_s(prompt - cached, cached)
+            compute = engine.request_overhead_s + engine.frontend_per_token_s * prompt \
+                + engine.prefill_s(prompt - cached, cached)
             residuals.append(float(r["ttft_s"]) - compute - cached * model.bytes_per_token / rate)
         spec = replace(spec, latency_s=max(0.0, float(np.median(residuals))) if residuals else 0.0)
         fit.update(method="residual per request", residuals_s=[round(x, 4) for x in residuals])

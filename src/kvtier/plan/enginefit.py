@@ -137,6 +137,31 @@ def fit_one_level(rows: Sequence[Record], records: Sequence[Record]) -> tuple[tu
     return (overhead, float(coef[0]), 0.0), float(err[0]), notes
 
 
+def split_frontend(records: Sequence[Record], overhead: float, per_token: float, quadratic: float
+                   ) -> tuple[float, float, list[str]]:
+    """``(front end per token, prefill per token, notes)``: the part of the cold requests'
+    per-token cost that the front end pays (tokenizing the prompt), which a hit pays too. The
+    floor's concurrency-1 resumes tell it: what is left of their TTFT after the fitted overhead
+    and the question's prefill, per prompt token (median). Without a floor the front end's
+    share stays in the prefill rate."""
+    rows = [r for r in records if r.get("config") == FLOOR and r.get("concurrency") == 1 and _ok(r)
+            and r.get("measured") and int(r.get("cached_tokens") or 0) > 0 and single(r)]
+    if not rows:
+        return 0.0, per_token, ["frontend_per_token_s: no floor run at concurrency 1: 0 (the front end's share "
+                                "stays in the prefill rate)"]
+    n = np.array([float(r["prompt_tokens"]) for r in rows])
+    suffix = n - np.array([float(r["cached_tokens"]) for r in rows])
+    left = np.array([float(r["ttft_s"]) for r in rows]) - overhead - suffix * per_token \
+        - quadratic * suffix * (n - suffix / 2.0)
+    f = float(np.median(left / n))
+    if f <= 0:
+        return 0.0, per_token, []
+    if f >= 0.5 * per_token:
+        return 0.0, per_token, [f"frontend_per_token_s: the floor's resumes give {f:.2e} s/token, half the prefill's "
+                                "cost or more: not used (0)"]
+    return f, per_token - f, []
+
+
 def _fit_decode(rows: Sequence[Record]) -> tuple[float, float]:
     """``(decode_step_s, decode_context_s)`` from the inter-token latencies of ``rows``."""
     timed = [r for r in rows if isinstance(r.get("itl_s"), int | float)]
@@ -214,8 +239,10 @@ def fit_engine(records: Sequence[Record], env: dict[str, Any], model: ModelSpec,
         if concurrency != 1:
             notes.append(f"concurrency {concurrency}: fitted per request, as at concurrency 1 (queueing not separated)")
         (overhead, per_token, quadratic), se, more = fit_one_level(rows, records)
-        engine = EngineSpec(**{**base.__dict__, "prefill_tokens_per_s": 1.0 / per_token,
-                               "request_overhead_s": overhead, "prefill_quadratic_s": quadratic})
+        frontend, per_token, split_notes = split_frontend(records, overhead, per_token, quadratic)
+        more += split_notes
+        engine = EngineSpec(**{**base.__dict__, "prefill_tokens_per_s": 1.0 / per_token, "frontend_per_token_s":
+                               frontend, "request_overhead_s": overhead, "prefill_quadratic_s": quadratic})
         band = (1.0 / (per_token + se), None if se >= per_token else 1.0 / (per_token - se))
         method = "least squares per request"
     else:
@@ -223,12 +250,14 @@ def fit_engine(records: Sequence[Record], env: dict[str, Any], model: ModelSpec,
         method = "replay through the simulator"
     n = [int(r["prompt_tokens"]) for r in rows]
     fit = {"requests": len(rows), "source": source, "method": method, "prompt_tokens": [min(n), max(n)],
-           "request_overhead_s": engine.request_overhead_s, "prefill_tokens_per_s": engine.prefill_tokens_per_s,
+           "request_overhead_s": engine.request_overhead_s, "frontend_per_token_s": engine.frontend_per_token_s,
+           "prefill_tokens_per_s": engine.prefill_tokens_per_s,
            "prefill_tokens_per_s_range": [round(b, 1) if b is not None else None for b in band],
            "prefill_quadratic_s": engine.prefill_quadratic_s, "decode_step_s": decode,
            "decode_context_s": decode_context, "undetermined": more}
     if concurrency == 1 or source != "recompute":
         t = np.array([float(r["ttft_s"]) for r in rows])
-        pred = np.array([engine.request_overhead_s + engine.prefill_s(k, 0) for k in n])
+        pred = np.array([engine.request_overhead_s + engine.frontend_per_token_s * k + engine.prefill_s(k, 0)
+                         for k in n])
         fit.update(max_abs_error_s=float(np.max(np.abs(pred - t))), max_rel_error=float(np.max(np.abs(pred - t) / t)))
     return EngineFit(engine, fit, notes + more)

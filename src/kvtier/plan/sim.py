@@ -25,8 +25,9 @@ With ``instances = N`` one instance is simulated and the others are assumed to b
 image: a shared tier gives it ``1/N`` of its bandwidth and capacity, and a session's later turn
 lands on the same instance (where HBM, host and disk still hold its KV) with probability ``1/N``.
 
-A request reaches the engine ``request_overhead_s`` after the front end (one process: HTTP,
-tokenizer) is free: requests sent together queue there first, one at a time.
+A request reaches the engine ``request_overhead_s`` (plus ``frontend_per_token_s`` per prompt
+token) after the front end (one process: HTTP, tokenizer) is free: requests sent together queue
+there first, one at a time.
 
 What it ignores: network and tokenizer time other than ``request_overhead_s``, preemption,
 speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier order, GPU/CPU
@@ -370,7 +371,9 @@ class _PhaseRun:
         local = k == 0 or sim.instances == 1 or sim.rng.random() < 1.0 / sim.instances
         r = _Req(turn, k, worker if worker >= 0 else session_index, t, local)
         # One front end (vLLM's API server: HTTP, tokenizer) takes requests one at a time.
-        sim.frontend_free_s = max(t, sim.frontend_free_s) + sim.eng.request_overhead_s
+        eng = sim.eng
+        sim.frontend_free_s = max(t, sim.frontend_free_s) + eng.request_overhead_s \
+            + eng.frontend_per_token_s * turn.prompt_tokens
         heapq.heappush(self.arrivals, (sim.frontend_free_s, self.seq, r))
         self.seq += 1
 

@@ -125,8 +125,9 @@ class EngineSpec:
     attention over the context). A step costs ``step_overhead_s``, plus its prefill chunks, plus,
     when ``b > 0`` requests decode in it, ``decode_step_s + b * decode_per_seq_s +
     decode_context_s * (sum of their context tokens)``. ``request_overhead_s`` is paid once per
-    request outside the engine (HTTP, tokenizer) and delays its arrival; the front end that
-    pays it handles one request at a time, so requests sent together reach the engine in turn.
+    request outside the engine (HTTP, tokenizer) and delays its arrival, with
+    ``frontend_per_token_s`` per prompt token (tokenizing it, hit or not); the front end that
+    pays them handles one request at a time, so requests sent together reach the engine in turn.
     ``tail_chunks`` (the vLLM connector's setting, on by default there) also keeps the prompt's
     blocks after its last full chunk, in steps of ``keys.tail_step`` tokens, as one *tail* whose
     read costs a full chunk's bytes; off, the tiers hold whole chunks only (LMCache, SGLang).
@@ -145,11 +146,12 @@ class EngineSpec:
     chunk_tokens: int = 256
     request_overhead_s: float = 0.0
     tail_chunks: bool = True
+    frontend_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("engine", "prefill_tokens_per_s", self.prefill_tokens_per_s)
         for name in ("decode_step_s", "prefill_quadratic_s", "step_overhead_s", "decode_per_seq_s",
-                     "decode_context_s", "request_overhead_s"):
+                     "decode_context_s", "request_overhead_s", "frontend_per_token_s"):
             _positive("engine", name, getattr(self, name), zero_ok=True)
         for name in ("max_batched_tokens", "block_tokens", "chunk_tokens"):
             value = getattr(self, name)
