@@ -63,3 +63,19 @@ def test_bisection_and_the_median_band() -> None:
     assert fit_scalar(lambda v: v, 500.0, 1.0, 10.0, increasing=True) == (10.0, False)
     lo, hi = median_band([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     assert 2.0 <= lo <= 4.0 <= hi <= 6.0
+
+
+def test_the_floor_tells_the_front_ends_per_token_cost_from_the_prefill(tmp_path: Path) -> None:
+    folder = fake_bench(tmp_path)
+    rows = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    # The floor's resumes: the whole prompt but 50 tokens in the engine's cache; their TTFT is
+    # the overhead, 0.1 ms per prompt token in the front end, and the 50 tokens' prefill.
+    floor = [{**r, "config": "engine-cache", "cached_tokens": r["prompt_tokens"] - 50,
+              "ttft_s": 0.01 + 1e-4 * r["prompt_tokens"] + 50 / 1000}
+             for r in rows if r["config"] == "recompute" and r["measured"]]
+    (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + floor))
+    cal = calibrate(folder)
+    assert cal.engine.frontend_per_token_s == pytest.approx(1e-4, rel=1e-6)
+    # Recompute's 1 ms per token was tokenizing (0.1 ms) and prefilling (0.9 ms).
+    assert cal.engine.prefill_tokens_per_s == pytest.approx(1 / 9e-4, rel=1e-6)
+    assert cal.engine.request_overhead_s == pytest.approx(0.01, abs=1e-9)

@@ -145,6 +145,16 @@ def test_queued_prefills_wait_for_each_other() -> None:
     assert sorted(r.ttft_s.tolist()) == pytest.approx([10.0, 20.0])
 
 
+def test_the_front_end_takes_requests_one_at_a_time() -> None:
+    # 50 ms per request and 1 ms per prompt token in the front end: two 100-token requests sent
+    # together reach the engine at 0.15 s and 0.30 s, then prefill in 1 s each in turn.
+    eng = EngineSpec(prefill_tokens_per_s=100.0, decode_step_s=0.0, max_batched_tokens=100,
+                     request_overhead_s=0.05, frontend_per_token_s=0.001)
+    sessions = tuple((Turn(f"s{i}", 100, 1),) for i in range(2))
+    r = simulate(MODEL, HardwareSpec(eng), PlanConfig("recompute"), (Phase(sessions, 2),), arrival_stagger_s=0.0)
+    assert sorted(r.ttft_s.tolist()) == pytest.approx([1.15, 2.15])
+
+
 def test_deterministic() -> None:
     hw = HardwareSpec(ENGINE, (tier(shared=True),), instances=3)
     config = PlanConfig("x3", ("pool",), 3)
