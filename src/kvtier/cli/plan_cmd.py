@@ -165,13 +165,13 @@ def _workload_maker(args: argparse.Namespace) -> Any:
 def run_check(args: argparse.Namespace) -> int:
     from kvtier.cli.output import emit_json
     from kvtier.plan import calibrate as cal_mod
-    from kvtier.plan.check import capacity_markdown, cells_markdown, check, run_capacity, summary
+    from kvtier.plan.check import capacity_markdown, cells_markdown, check, fit_markdown, run_capacity, summary
 
     probe = cal_mod.load_probe(args.probe) if args.probe else None
     cal, cells = check(args.check, concurrency=args.calibrate_concurrency, probe=probe)
     capacity = run_capacity(args.check, cal)
     notes = "".join(f"\n- {n}" for n in cal.notes)
-    text = cells_markdown(cells) + (f"\n\nCalibration notes:{notes}" if notes else "") \
+    text = fit_markdown(cal) + "\n\n" + cells_markdown(cells) + (f"\n\nCalibration notes:{notes}" if notes else "") \
         + ("\n\nStorage the run's kvtier configurations left:\n\n" + capacity_markdown(capacity) if capacity else "")
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")

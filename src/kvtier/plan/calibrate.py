@@ -33,7 +33,7 @@ import numpy as np
 
 from kvtier.config import parse_bytes
 from kvtier.plan.enginefit import fit_engine, replay_p50
-from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, single
+from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, median_band, single
 from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
 from kvtier.tiers.kinds import KINDS
 
@@ -190,7 +190,9 @@ def fit_tier(config: str, entry: Record, records: Sequence[Record], model: Model
                 + engine.prefill_s(prompt - cached, cached)
             residuals.append(float(r["ttft_s"]) - compute - cached * model.bytes_per_token / rate)
         spec = replace(spec, latency_s=max(0.0, float(np.median(residuals))) if residuals else 0.0)
-        fit.update(method="residual per request", residuals_s=[round(x, 4) for x in residuals])
+        band = median_band(residuals) if residuals else (0.0, 0.0)
+        fit.update(method="residual per request", residuals_s=[round(x, 4) for x in residuals],
+                   latency_s_range=[round(max(0.0, b), 4) for b in band])
     else:
         spec, note = _replay_tier(spec, config, records, configs, env or {}, model, engine, concurrency)
         fit.update(method="replay through the simulator", note=note)

@@ -128,6 +128,24 @@ def summary(cells: Sequence[Cell]) -> dict[str, Any]:
             "cold_resume_median_abs_error": med([abs(c.error) for c in cold]), "tolerance": TOLERANCE}
 
 
+def fit_markdown(cal: Calibration) -> str:
+    """What calibration fitted, on what, with its one-sigma ranges."""
+    e = cal.fit["engine"]
+    lo, hi = e["prefill_tokens_per_s_range"]
+    lines = [f"Calibrated at concurrency {cal.concurrency} ({e['method']}, {e['requests']} {e['source']} requests of "
+             f"{e['prompt_tokens'][0]}-{e['prompt_tokens'][1]} tokens): prefill {e['prefill_tokens_per_s']:,.0f} "
+             f"tokens/s ({lo:,.0f} to {f'{hi:,.0f}' if hi else 'unbounded'}), quadratic "
+             f"{e['prefill_quadratic_s']:.2e} s/token², request overhead {e['request_overhead_s'] * 1e3:.1f} ms + "
+             f"{e['frontend_per_token_s'] * 1e6:.2f} µs per prompt token in the front end, decode step "
+             f"{e['decode_step_s'] * 1e3:.1f} ms."]
+    for config, t in cal.fit["tiers"].items():
+        band = t.get("latency_s_range")
+        lines.append(f"- {config}: read {t['read_bytes_per_s'] / 1e9:.2f} GB/s ({t['rate_source']}), latency "
+                     f"{t['latency_s'] * 1e3:.1f} ms" + (f" ({band[0] * 1e3:.1f}-{band[1] * 1e3:.1f})" if band else "")
+                     + f", {t['method']} over {t['requests']} resumes")
+    return "\n".join(lines)
+
+
 def capacity_markdown(capacity: dict[str, Any]) -> str:
     lines = ["| config | sessions | chunks + tails | files predicted (lower bound) / on disk | "
              "bytes predicted (lower bound) / on disk |", "|---|---|---|---|---|"]
