@@ -25,7 +25,7 @@ from typing import Any
 from kvtier.format import file_bytes_for
 from kvtier.keys import tail_step
 from kvtier.plan.parallel import run_all, turns_of
-from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig
+from kvtier.plan.spec import TIER_ORDER, HardwareSpec, ModelSpec, PlanConfig
 from kvtier.plan.workload import Workload
 from kvtier.tiers.listing import SUFFIX
 
@@ -125,15 +125,17 @@ def pool_filesystem_bytes(budget: int, writers: int) -> int:
 
 
 def capacity(model: ModelSpec, hw: HardwareSpec, workload: Workload, *, instances: int = 1) -> dict[str, Any]:
-    """Per tier of ``hw``: what ``workload`` stores there (a persistent tier keeps every session;
-    host DRAM is sized by its budget), the budget that keeps all of it, the filesystem size that
-    budget needs, and host memory per rank."""
+    """Per kvtier tier of ``hw`` (host, disk, pool): what ``workload`` stores there (a
+    persistent tier keeps every session; host DRAM is sized by its budget), the budget that
+    keeps all of it, the filesystem size that budget needs, and host memory per rank."""
     eng = hw.engine
     shape = StoreShape(eng.chunk_tokens, eng.block_tokens, eng.tail_chunks)
     need = footprint(workload_sessions(workload), model, shape)
     writers = instances * model.parallel_size  # every TP rank of every engine publishes its heads
     out: dict[str, Any] = {"workload": need, "writers": writers, "tiers": {}}
     for tier in hw.tiers:
+        if tier.name not in TIER_ORDER:  # another connector's tier (a calibrated peer): not kvtier's files
+            continue
         if not tier.persistent:
             out["tiers"][tier.name] = {"budget_bytes": tier.capacity_bytes,
                                        "host_bytes_per_rank": tier.capacity_bytes // model.parallel_size,
