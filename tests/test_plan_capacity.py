@@ -112,3 +112,14 @@ def test_the_seed_preset_prints_the_seeds_table_beside_its_own(capsys: pytest.Ca
     # --sessions changes the workload the seed measured: no side-by-side then.
     assert main(["plan", "--preset", "seed", "--json", "--curve-points", "0", "--sessions", "4"]) == 0
     assert "seed_table" not in json.loads(capsys.readouterr().out)
+
+
+def test_sessions_returning_in_random_order_keep_a_share_of_the_hits_in_a_smaller_pool() -> None:
+    hw = hardware_from_dict(presets.SEED_HARDWARE)
+    workload = cold_resume(40, (20000, 30000), 8, seed=0, resume_order="random")
+    curve = capacity_curve(presets.SEED_MODEL, hw, PlanConfig("shared-pool", ("host", "pool")), workload,
+                           (0.5, 0.9, 1.0))
+    hits = [p["relative_hit"] for p in curve["points"]]
+    assert 0.0 < hits[0] < hits[1] < hits[2] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="resume_order"):
+        cold_resume(4, (1000, 2000), 1, resume_order="lifo")

@@ -41,6 +41,9 @@ def add_parser(sub: Any) -> None:
                                                  "(open loop: each request arrives at arrival_s)")
     add_load_args(w, workloads=("cold-resume", "chat"), sessions=None, concurrency=[8, 16, 32])
     add_session_args(w)
+    w.add_argument("--resume-order", choices=("written", "random"), default="written",
+                   help="cold-resume: sessions come back in the order they were written (kvtier bench's order, the "
+                        "default) or shuffled, as returning users would")
     h = p.add_argument_group("hardware")
     h.add_argument("--preset", choices=("seed",), default=None,
                    help="seed: the seed's Qwen3-Coder-480B TP=8 deployment (model, tiers, workload; assumptions "
@@ -157,7 +160,7 @@ def _workload_maker(args: argparse.Namespace) -> Any:
             return workload.chat(n, context, c, turns=turns, question_tokens=q, output_tokens=out,
                                  think_s=args.think, seed=args.seed)
         return workload.cold_resume(n, context, c, turns=max(2, turns), question_tokens=q, output_tokens=out,
-                                    seed=args.seed)
+                                    seed=args.seed, resume_order=args.resume_order)
 
     return make
 

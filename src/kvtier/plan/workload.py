@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -132,13 +133,22 @@ def make_sessions(num_sessions: int, context_tokens: tuple[int, int], turns: int
 
 
 def cold_resume(num_sessions: int, context_tokens: tuple[int, int], concurrency: int, *, turns: int = 2,
-                question_tokens: int = 32, output_tokens: int = 32, seed: int = 0) -> Workload:
+                question_tokens: int = 32, output_tokens: int = 32, seed: int = 0,
+                resume_order: str = "written") -> Workload:
     """The seed's case: turn 0 of every session (unmeasured), an engine restart, then the later
-    turns at ``concurrency`` (measured)."""
+    turns at ``concurrency`` (measured). The sessions come back in the order they were written
+    (``kvtier bench``'s order, LRU's worst case), or with ``resume_order="random"`` shuffled
+    (seeded), as returning users would."""
+    if resume_order not in ("written", "random"):
+        raise ValueError(f"resume_order: {resume_order!r}; use written or random")
     sessions = make_sessions(num_sessions, context_tokens, turns, question_tokens=question_tokens,
                              output_tokens=output_tokens, seed=seed)
     populate = tuple((replace(s[0], measured=False),) for s in sessions)
     resume = tuple(s[1:] for s in sessions if len(s) > 1)
+    if resume_order == "random":
+        order = list(resume)
+        random.Random(f"{seed}:resume-order").shuffle(order)
+        resume = tuple(order)
     if not resume:
         raise ValueError("cold-resume needs turns >= 2 (turn 0 populates, later turns resume)")
     return (Phase(populate, concurrency, False, "populate"), Phase(resume, concurrency, True, "resume"))
