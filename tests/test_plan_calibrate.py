@@ -79,3 +79,16 @@ def test_the_floor_tells_the_front_ends_per_token_cost_from_the_prefill(tmp_path
     # Recompute's 1 ms per token was tokenizing (0.1 ms) and prefilling (0.9 ms).
     assert cal.engine.prefill_tokens_per_s == pytest.approx(1 / 9e-4, rel=1e-6)
     assert cal.engine.request_overhead_s == pytest.approx(0.01, abs=1e-9)
+
+
+def test_a_tier_faster_than_its_measured_rate_gets_the_rate_its_resumes_show(tmp_path: Path) -> None:
+    folder = fake_bench(tmp_path)
+    env = json.loads((folder / "env.json").read_text())
+    env["storage_probe"]["kvtier_read_gbps"] = 0.0005  # half what the resumes read at (1 MB/s)
+    (folder / "env.json").write_text(json.dumps(env))
+    cal = calibrate(folder)
+    disk = cal.tiers["local-disk"]
+    assert disk.latency_s == 0.0
+    # The resumes read 8 bytes per cached token at 1 MB/s plus 2 ms: a bit under 1 MB/s in all.
+    assert 0.8e6 < disk.read_bytes_per_s < 1e6
+    assert any(n.startswith("local-disk: read faster") for n in cal.notes)

@@ -221,7 +221,7 @@ def environment(spec: SuiteSpec, model: Path) -> dict[str, Any]:
         cfg = json.loads(config_json.read_text())
         env["model_shape"] = {k: cfg.get(k) for k in ("model_type", "num_hidden_layers", "hidden_size",
                                                       "num_attention_heads", "num_key_value_heads", "head_dim",
-                                                      "vocab_size", "torch_dtype")}
+                                                      "vocab_size", "torch_dtype", "dtype")}
     if spec.probe_total:
         from kvtier.config import parse_bytes
         from kvtier.probe import run_probe

@@ -86,7 +86,8 @@ def model_from_env(env: dict[str, Any]) -> ModelSpec:
         heads = int(shape["num_attention_heads"])
         return ModelSpec(int(shape["num_hidden_layers"]), int(shape.get("num_key_value_heads", heads)),
                          int(shape.get("head_dim") or int(shape["hidden_size"]) // heads),
-                         str(shape.get("torch_dtype", "bfloat16")), 1, str(shape.get("model_type", "model")))
+                         str(shape.get("torch_dtype") or shape.get("dtype") or "bfloat16"), 1,
+                         str(shape.get("model_type", "model")))
     except (KeyError, TypeError, ValueError):
         raise ValueError("env.json has no usable model_shape (num_hidden_layers, num_attention_heads, ...); "
                          "pass --model config.json") from None
@@ -165,6 +166,36 @@ def _replay_tier(spec: TierSpec, config: str, records: Sequence[Record], configs
         f"({rate / 1e9:.2f} GB/s)"
 
 
+def _residual_tier(spec: TierSpec, rows: Sequence[Record], model: ModelSpec, engine: EngineSpec
+                   ) -> tuple[TierSpec, dict[str, Any]]:
+    """At concurrency 1: the latency is the median of what each resume leaves after the front
+    end, the suffix's prefill and its bytes at the tier's rate. Where that is negative (the
+    tier read faster than its measured rate says: the metrics sum the read threads' seconds),
+    the latency is 0 and the rate the one that leaves the median resume nothing."""
+    residuals, reads = [], []
+    for r in rows:
+        cached, prompt = int(r["cached_tokens"]), int(r["prompt_tokens"])
+        compute = engine.request_overhead_s + engine.frontend_per_token_s * prompt \
+            + engine.prefill_s(prompt - cached, cached)
+        residuals.append(float(r["ttft_s"]) - compute - cached * model.bytes_per_token / spec.read_bytes_per_s)
+        reads.append((cached * model.bytes_per_token, float(r["ttft_s"]) - compute))
+    fit: dict[str, Any] = {"method": "residual per request", "residuals_s": [round(x, 4) for x in residuals]}
+    if not residuals:
+        return spec, fit
+    latency = float(np.median(residuals))
+    band = median_band(residuals)
+    fit["latency_s_range"] = [round(max(0.0, b), 4) for b in band]
+    if latency >= 0:
+        return replace(spec, latency_s=latency), fit
+    rates = [nbytes / left for nbytes, left in reads if left > 0]
+    if not rates:
+        return replace(spec, latency_s=0.0), fit
+    rate = float(np.median(rates))
+    fit["note"] = f"read faster than its measured {spec.read_bytes_per_s / 1e9:.2f} GB/s: read rate fitted " \
+                  f"({rate / 1e9:.2f} GB/s), latency 0"
+    return replace(spec, latency_s=0.0, read_bytes_per_s=rate), fit
+
+
 def fit_tier(config: str, entry: Record, records: Sequence[Record], model: ModelSpec, engine: EngineSpec,
              probe: dict[str, Any] | None, concurrency: int = 1, configs: Sequence[Record] = (),
              env: dict[str, Any] | None = None) -> tuple[TierSpec, dict[str, Any]]:
@@ -183,16 +214,8 @@ def fit_tier(config: str, entry: Record, records: Sequence[Record], model: Model
                     shared=known.shared if known else False, write_queue_s=1e9)
     fit: dict[str, Any] = {"rate_source": source, "requests": len(rows)}
     if concurrency == 1 or not rows:
-        residuals = []
-        for r in rows:
-            cached, prompt = int(r["cached_tokens"]), int(r["prompt_tokens"])
-            compute = engine.request_overhead_s + engine.frontend_per_token_s * prompt \
-                + engine.prefill_s(prompt - cached, cached)
-            residuals.append(float(r["ttft_s"]) - compute - cached * model.bytes_per_token / rate)
-        spec = replace(spec, latency_s=max(0.0, float(np.median(residuals))) if residuals else 0.0)
-        band = median_band(residuals) if residuals else (0.0, 0.0)
-        fit.update(method="residual per request", residuals_s=[round(x, 4) for x in residuals],
-                   latency_s_range=[round(max(0.0, b), 4) for b in band])
+        spec, per_request = _residual_tier(spec, rows, model, engine)
+        fit.update(per_request)
     else:
         spec, note = _replay_tier(spec, config, records, configs, env or {}, model, engine, concurrency)
         fit.update(method="replay through the simulator", note=note)
@@ -233,8 +256,9 @@ def calibrate(bench_dir: str | Path, *, probe: dict[str, Any] | None = None, con
         if tier_fit["requests"] == 0:
             cal.notes.append(f"{name}: no resumed request with cached tokens at concurrency {concurrency}; "
                              "latency set to 0")
-        if tier_fit.get("note"):
-            cal.notes.append(tier_fit["note"])
+        note = tier_fit.get("note")
+        if note:
+            cal.notes.append(note if note.startswith(f"{name}:") else f"{name}: {note}")
         cal.tiers[name] = tier
         cal.fit["tiers"][name] = tier_fit
     host_bytes = (env.get("settings") or {}).get("host_bytes")
