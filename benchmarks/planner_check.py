@@ -1,6 +1,6 @@
 """Planner checks run on purpose (not unit tests): speed, the bench calibrate-and-check, the seed example.
 
-    python benchmarks/planner_check.py speed            # 10,000-session trace, wall time
+    python benchmarks/planner_check.py speed [TRACE]    # 10,000-session trace, wall time (TRACE: keep it)
     python benchmarks/planner_check.py check BENCH_DIR  # = kvtier plan --check BENCH_DIR
     python benchmarks/planner_check.py seed             # the seed's worked example vs its table
     python benchmarks/planner_check.py short-chat       # the case where tiering does not pay
@@ -23,11 +23,12 @@ from kvtier.plan.spec import default_configs, hardware_from_dict, with_engine
 from kvtier.plan.workload import chat, cold_resume, load_trace, trace_workload
 
 
-def speed(num_sessions: int = 10_000) -> None:
-    """A 10k-session, 2-turn open-loop trace (20k requests) through every seed configuration."""
+def speed(num_sessions: int = 10_000, keep: str | None = None) -> None:
+    """A 10k-session, 2-turn open-loop trace (20k requests) through every seed configuration;
+    ``keep``: also write the trace there (for timing ``kvtier plan --trace`` on it)."""
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.csv"
+        path = Path(keep) if keep else Path(tmp) / "trace.csv"
         with open(path, "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["session", "arrival_s", "prompt_tokens", "output_tokens"])
@@ -138,7 +139,7 @@ def agree(a: str, b: str) -> None:
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "speed"
     if what == "speed":
-        speed()
+        speed(keep=sys.argv[2] if len(sys.argv) > 2 else None)
     elif what == "check":
         from kvtier.plan.check import cells_markdown, check
 

@@ -170,3 +170,13 @@ def test_bad_figures_are_rejected() -> None:
         TierSpec("disk", 1, -1.0, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         ModelSpec(1, 1, 1, "float13")
+
+
+def test_the_front_end_serves_open_loop_requests_in_the_order_they_were_sent() -> None:
+    # Session a's second turn (sent at 10 s) must not queue behind session b's first turn (sent
+    # at 50 s, but handed to the simulator first): each waits only for earlier sends.
+    eng = replace(ENGINE, request_overhead_s=0.01)
+    a = (Turn("a", 100, 1, arrival_s=0.0), Turn("a", 200, 1, arrival_s=10.0))
+    b = (Turn("b", 100, 1, arrival_s=50.0),)
+    r = simulate(MODEL, HardwareSpec(eng), PlanConfig("recompute"), (Phase((a, b)),))
+    assert r.ttft_s.max() < 2.1  # at most 200 tokens at 100 tokens/s after 10 ms

@@ -34,7 +34,8 @@ speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier
 copy time separate from the tier read, and any overlap of loads with compute.
 
 Over 400 lines on purpose: the engine model, its steps and the phases are one simulation; its
-state is ``_Simulation`` (across phases) and ``_PhaseRun`` (one phase).
+state is ``_Simulation`` (across phases) and ``_PhaseRun`` (one phase); what it returns is
+``simresult.SimResult``.
 """
 
 from __future__ import annotations
@@ -43,12 +44,11 @@ import heapq
 import math
 import random
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from kvtier.keys import tail_step
+from kvtier.plan.simresult import SimResult
 from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig, TierSpec
 from kvtier.plan.workload import Phase, Turn, Workload
 from kvtier.policy import Read, pays_off, predicted_load_s
@@ -129,65 +129,6 @@ class _Req:
         self.first_s = math.nan
         self.end_s = math.nan
         self.remaining = 0
-
-
-@dataclass
-class SimResult:
-    """Per-request arrays (measured requests only) and engine time accounting."""
-
-    config: str
-    start_s: np.ndarray
-    ttft_s: np.ndarray
-    e2e_s: np.ndarray
-    prompt_tokens: np.ndarray
-    output_tokens: np.ndarray
-    hbm_tokens: np.ndarray
-    loaded_tokens: dict[str, np.ndarray]
-    load_s: np.ndarray
-    capacity_miss_tokens: int
-    busy_s: dict[str, float]
-    bytes_read: dict[str, int]
-    evictions: dict[str, int] = field(default_factory=dict)
-    dropped_writes: dict[str, int] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, Any]:
-        """The planner's row: hit rates, TTFT percentiles, throughput, read rate, bottleneck."""
-        n = len(self.ttft_s)
-        if n == 0:
-            return {"config": self.config, "requests": 0}
-        end = float(np.max(self.start_s + self.e2e_s))
-        duration = end - float(np.min(self.start_s))
-        prompt = float(self.prompt_tokens.sum())
-        hit = {t: float(v.sum()) / prompt for t, v in self.loaded_tokens.items()}
-        hbm = float(self.hbm_tokens.sum()) / prompt
-        busy = self.busy_s
-        total_busy = sum(busy.values()) or 1.0
-        shares = {k: v / total_busy for k, v in busy.items()}
-        capacity_share = self.capacity_miss_tokens / prompt
-        if capacity_share > 0.2:
-            bottleneck = "capacity"
-        else:
-            bottleneck = {"load": "storage bandwidth", "prefill": "prefill compute", "decode": "decode compute",
-                          "overhead": "step overhead"}[max(shares, key=lambda k: shares[k])]
-        return {
-            "config": self.config,
-            "requests": n,
-            "ttft_p50_s": float(np.percentile(self.ttft_s, 50)),
-            "ttft_p90_s": float(np.percentile(self.ttft_s, 90)),
-            "ttft_p99_s": float(np.percentile(self.ttft_s, 99)),
-            "e2e_p50_s": float(np.percentile(self.e2e_s, 50)),
-            "output_tok_s": float(self.output_tokens.sum()) / duration if duration > 0 else None,
-            "hit_rate": {"hbm": hbm, **hit},
-            "recompute_share": 1.0 - hbm - sum(hit.values()),
-            "read_bytes_per_s": sum(self.bytes_read.values()) / duration if duration > 0 else 0.0,
-            "load_p50_s": float(np.percentile(self.load_s, 50)),
-            "engine_time_share": shares,
-            "capacity_miss_share": capacity_share,
-            "bottleneck": bottleneck,
-            "evictions": self.evictions,
-            "dropped_writes": self.dropped_writes,
-            "duration_s": duration,
-        }
 
 
 def simulate(model: ModelSpec, hw: HardwareSpec, config: PlanConfig, workload: Workload, *, seed: int = 0,
@@ -353,7 +294,8 @@ class _PhaseRun:
         self.counted = any(t.measured for s in phase.sessions for t in s)
         self.busy = dict.fromkeys(sim.busy, 0.0)
         self.origin = sim.now
-        self.arrivals: list[tuple[float, int, _Req]] = []
+        self.sent: list[tuple[float, int, _Req]] = []  # (sent at, seq, request): before the front end
+        self.arrivals: list[tuple[float, int, _Req]] = []  # (at the engine, seq, request)
         self.seq = 0
         self.queue = deque(range(len(phase.sessions)))
         self.position = [0] * len(phase.sessions)
@@ -370,12 +312,22 @@ class _PhaseRun:
             t = max(t, self.origin + (turn.arrival_s or 0.0))
         local = k == 0 or sim.instances == 1 or sim.rng.random() < 1.0 / sim.instances
         r = _Req(turn, k, worker if worker >= 0 else session_index, t, local)
-        # One front end (vLLM's API server: HTTP, tokenizer) takes requests one at a time.
-        eng = sim.eng
-        sim.frontend_free_s = max(t, sim.frontend_free_s) + eng.request_overhead_s \
-            + eng.frontend_per_token_s * turn.prompt_tokens
-        heapq.heappush(self.arrivals, (sim.frontend_free_s, self.seq, r))
+        heapq.heappush(self.sent, (t, self.seq, r))
         self.seq += 1
+
+    def front_end(self) -> None:
+        """Requests sent by now pass the one front end (vLLM's API server: HTTP, tokenizer), one
+        at a time in the order they were sent, and arrive at the engine."""
+        sim, eng = self.sim, self.sim.eng
+        while self.sent and self.sent[0][0] <= sim.now:
+            t, seq, r = heapq.heappop(self.sent)
+            sim.frontend_free_s = max(t, sim.frontend_free_s) + eng.request_overhead_s \
+                + eng.frontend_per_token_s * r.prompt
+            heapq.heappush(self.arrivals, (sim.frontend_free_s, seq, r))
+
+    def next_event(self) -> float:
+        """When the next request is sent or arrives (inf: none left)."""
+        return min(self.arrivals[0][0] if self.arrivals else math.inf, self.sent[0][0] if self.sent else math.inf)
 
     def finish(self, r: _Req, t: float) -> None:
         """``r`` produced its last token: its KV stays in HBM, its client goes on."""
@@ -404,12 +356,13 @@ class _PhaseRun:
             for w in range(min(phase.concurrency, len(self.queue))):
                 self.launch(self.queue.popleft(), self.origin + w * sim.arrival_stagger_s, w)
         while True:
+            self.front_end()
             while self.arrivals and self.arrivals[0][0] <= sim.now:
                 self.waiting.append(heapq.heappop(self.arrivals)[2])
             if not self.waiting and not self.decoding:
-                if not self.arrivals:
+                if not self.arrivals and not self.sent:
                     break
-                sim.now = self.arrivals[0][0]
+                sim.now = self.next_event()
             elif not self.waiting:
                 self.decode_steps()
             else:
@@ -434,8 +387,9 @@ class _PhaseRun:
         sim, eng = self.sim, self.sim.eng
         dt = eng.step_overhead_s + sim.decode_cost(self.decoding)
         k = min(r.remaining for r in self.decoding)
-        if self.arrivals and dt > 0:
-            k = max(1, min(k, math.ceil((self.arrivals[0][0] - sim.now) / dt)))
+        upcoming = self.next_event()
+        if upcoming < math.inf and dt > 0:
+            k = max(1, min(k, math.ceil((upcoming - sim.now) / dt)))
         sim.now += k * dt
         self.busy["overhead"] += k * eng.step_overhead_s
         self.busy["decode"] += k * (dt - eng.step_overhead_s)
