@@ -33,7 +33,7 @@ import numpy as np
 
 from kvtier.config import parse_bytes
 from kvtier.plan.enginefit import fit_engine, replay_p50
-from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, median_band, single
+from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, median_band, resumed, single
 from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
 from kvtier.tiers.kinds import KINDS
 
@@ -138,12 +138,6 @@ def config_hardware(engine: EngineSpec, tier: TierSpec | None, config: str, conf
     return hw, PlanConfig(config, tuple(t.name for t in hw.tiers))
 
 
-def _resumed(records: Sequence[Record], config: str, concurrency: int) -> list[Record]:
-    return [r for r in records if r.get("config") == config and r.get("concurrency") == concurrency
-            and r.get("measured") and r.get("error") is None and isinstance(r.get("ttft_s"), int | float)
-            and int(r.get("cached_tokens") or 0) > 0 and single(r)]
-
-
 def _replay_tier(spec: TierSpec, config: str, records: Sequence[Record], configs: Sequence[Record],
                  env: dict[str, Any], model: ModelSpec, engine: EngineSpec, concurrency: int
                  ) -> tuple[TierSpec, str | None]:
@@ -206,7 +200,7 @@ def fit_tier(config: str, entry: Record, records: Sequence[Record], model: Model
         rate, source = probe_read_rate(probe), "storage probe"
     if rate is None:
         rate, source = 1e9, "assumed 1 GB/s (no metrics, no probe)"
-    rows = _resumed(records, config, concurrency)
+    rows = resumed(records, config, concurrency)
     probe_write = (probe or {}).get("write_gbps")
     write = float(probe_write) * 1e9 if isinstance(probe_write, int | float) and probe_write > 0 else rate
     known = KINDS.get(tier_name)  # another connector's configuration: a persistent local tier

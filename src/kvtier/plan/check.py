@@ -22,7 +22,7 @@ import numpy as np
 
 from kvtier.plan.calibrate import CONFIG_TIERS, Calibration, calibrate, config_hardware, load_bench, ran_tails
 from kvtier.plan.capacity import StoreShape, count_on_disk, footprint
-from kvtier.plan.replay import FLOOR, rebuild_workload, single
+from kvtier.plan.replay import FLOOR, measured, rebuild_workload, single
 from kvtier.plan.sim import simulate
 
 TOLERANCE = 0.25
@@ -67,14 +67,11 @@ def check(bench_dir: str | Path, *, concurrency: int | None = None, probe: dict[
     for workload, config, c in groups:
         if config not in ("recompute", FLOOR) and config not in cal.tiers:
             continue
-        ok = [float(r["ttft_s"]) for r in records if r.get("config") == config and r.get("workload") == workload
-              and r.get("concurrency") == c and r.get("measured") and r.get("error") is None
-              and isinstance(r.get("ttft_s"), int | float) and single(r)]
-        if not ok:
+        rows = measured(records, config, c, workload)
+        if not rows:
             continue
-        cached = sum(int(r.get("cached_tokens") or 0) for r in records if r.get("config") == config
-                     and r.get("workload") == workload and r.get("concurrency") == c and r.get("measured")
-                     and r.get("error") is None and single(r))
+        ok = [float(r["ttft_s"]) for r in rows]
+        cached = sum(int(r.get("cached_tokens") or 0) for r in rows)
         hw, plan = config_hardware(cal.engine, cal.tiers.get(config), config, configs, env)
         result = simulate(cal.model, hw, plan, rebuild_workload(records, config, workload, c))
         predicted_cached = int(result.hbm_tokens.sum() + sum(v.sum() for v in result.loaded_tokens.values()))

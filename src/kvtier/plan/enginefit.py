@@ -32,6 +32,7 @@ from kvtier.plan.replay import (
     measured_ttfts,
     median_band,
     rebuild_workload,
+    resumed,
     single,
     workloads_of,
 )
@@ -81,8 +82,7 @@ def max_batched_tokens(settings: dict[str, Any]) -> int:
 def floor_overhead(records: Sequence[Record], concurrency: int, seconds_per_token: float) -> float | None:
     """The request overhead the floor shows: the median over its resumes (whole prompt but the
     question in the engine's own cache) of TTFT less the question's prefill; None without a floor."""
-    rows = [r for r in records if r.get("config") == FLOOR and r.get("concurrency") == concurrency and _ok(r)
-            and r.get("measured") and int(r.get("cached_tokens") or 0) > 0 and single(r)]
+    rows = resumed(records, FLOOR, concurrency)
     if not rows:
         return None
     left = [float(r["ttft_s"]) - (int(r["prompt_tokens"]) - int(r["cached_tokens"])) * seconds_per_token
@@ -144,8 +144,7 @@ def split_frontend(records: Sequence[Record], overhead: float, per_token: float,
     floor's concurrency-1 resumes tell it: what is left of their TTFT after the fitted overhead
     and the question's prefill, per prompt token (median). Without a floor the front end's
     share stays in the prefill rate."""
-    rows = [r for r in records if r.get("config") == FLOOR and r.get("concurrency") == 1 and _ok(r)
-            and r.get("measured") and int(r.get("cached_tokens") or 0) > 0 and single(r)]
+    rows = resumed(records, FLOOR, 1)
     if not rows:
         return 0.0, per_token, ["frontend_per_token_s: no floor run at concurrency 1: 0 (the front end's share "
                                 "stays in the prefill rate)"]

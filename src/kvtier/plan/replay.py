@@ -58,11 +58,22 @@ def rebuild_workload(records: Sequence[Record], config: str, workload: str, conc
     return tuple(phases)
 
 
+def measured(records: Sequence[Record], config: str, concurrency: int, workload: str | None = None) -> list[Record]:
+    """``config``'s measured, error-free requests with a TTFT at ``concurrency``, of ``workload``
+    (None: every workload)."""
+    return [r for r in records if r.get("config") == config and r.get("concurrency") == concurrency
+            and (workload is None or r.get("workload") == workload) and r.get("measured")
+            and r.get("error") is None and isinstance(r.get("ttft_s"), int | float) and single(r)]
+
+
 def measured_ttfts(records: Sequence[Record], config: str, concurrency: int) -> list[float]:
-    """TTFTs of ``config``'s measured, error-free requests at ``concurrency``, every workload."""
-    return [float(r["ttft_s"]) for r in records if r.get("config") == config and r.get("concurrency") == concurrency
-            and r.get("measured") and r.get("error") is None and isinstance(r.get("ttft_s"), int | float)
-            and single(r)]
+    """TTFTs of ``measured`` requests, every workload."""
+    return [float(r["ttft_s"]) for r in measured(records, config, concurrency)]
+
+
+def resumed(records: Sequence[Record], config: str, concurrency: int) -> list[Record]:
+    """The ``measured`` requests that started from cached tokens (a tier's load or the engine's hit)."""
+    return [r for r in measured(records, config, concurrency) if int(r.get("cached_tokens") or 0) > 0]
 
 
 def workloads_of(records: Sequence[Record], config: str, concurrency: int) -> list[str]:
