@@ -196,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
     model, hw, info = _hardware(args)
     configs = default_configs(hw, args.instances)
     concurrency = [0] if args.trace else args.concurrency
-    make = _workload_maker(args)
+    # Each level's workload once: the plan, the storage and the curve all simulate the same one.
+    workloads = {c: _workload_maker(args)(c) for c in concurrency}
+    make = workloads.__getitem__
     rows = run_plan(model, hw, configs, concurrency, make, seed=args.seed)
     storage, curves = _storage(args, model, hw, configs, concurrency, make)
     seed = _seed_side_by_side(args, rows)
