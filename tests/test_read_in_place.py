@@ -138,13 +138,41 @@ def test_the_disk_tier_keeps_a_chunk_whose_read_came_after_its_load_was_over(tin
         disk.close()
 
 
-def test_only_page_cache_hits_of_a_local_filesystem_are_read_in_place(open_pool, tiny, bits_equal):
+def _reads_inside_the_gate(target: _Target, monkeypatch) -> tuple[Pages, list[int]]:
+    """``target``'s pages, and the offsets of every read that could wait for a device (a
+    ``preadv`` without ``RWF_NOWAIT``) made while the gate was held."""
+    inside = {"now": False}
+    waited: list[int] = []
+
+    def enter() -> bool:
+        inside["now"] = True
+        return target.enter()
+
+    def leave() -> None:
+        inside["now"] = False
+        target.leave()
+
+    real = os.preadv
+
+    def watched(fd, buffers, offset, flags=0):
+        if inside["now"] and not flags & getattr(os, "RWF_NOWAIT", 0):
+            waited.append(offset)
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(reads_mod.os, "preadv", watched)
+    return Pages(target.pages().views, enter, leave), waited
+
+
+def test_a_device_read_never_holds_the_callers_memory(open_pool, tiny, bits_equal, monkeypatch):
+    """Files a page-cache hit of a local filesystem does not serve (a network filesystem's, a
+    cold one) are read whole outside the gate; only the copy into the pages runs inside."""
     pool, a, path = _stored(open_pool, tiny)
     pool.files._local = False  # a network filesystem: its page-cache hits are still round trips
     target = _Target(tiny.payload_bytes)
-    got = pool.load(a.id, tiny.spec(), pages=target.pages())
-    assert got.ok and not got.in_place and target.entered == 0
-    bits_equal(got.chunk.data, a.data)
+    pages, waited = _reads_inside_the_gate(target, monkeypatch)
+    got = pool.load(a.id, tiny.spec(), pages=pages)
+    assert got.ok and got.in_place and not got.from_cache and waited == []
+    assert target.bytes() == bytes(a.payload()) and (target.entered, target.left) == (1, 1)
     pool.files._local = True
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -153,10 +181,36 @@ def test_only_page_cache_hits_of_a_local_filesystem_are_read_in_place(open_pool,
         cold = (cached_bytes(fd) or 0) < os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if cold:  # a device read, however long, never holds the caller's memory
-        got = pool.load(a.id, tiny.spec(), pages=target.pages())
-        assert got.ok and not got.in_place and target.entered == 0
-        bits_equal(got.chunk.data, a.data)
+    if cold:
+        target = _Target(tiny.payload_bytes)
+        pages, waited = _reads_inside_the_gate(target, monkeypatch)
+        got = pool.load(a.id, tiny.spec(), pages=pages)
+        assert got.ok and got.in_place and not got.from_cache and waited == []
+        assert target.bytes() == bytes(a.payload())
+
+
+def test_a_corrupt_cold_chunk_is_refused_before_or_after_the_copy(open_pool, tiny):
+    """A cold read copied into the pages is checked there: a foreign file writes nothing, a
+    flipped payload bit is a counted corrupt chunk, removed."""
+    pool = open_pool()
+    pool.files._local = False  # every read is read whole, then copied
+    a, b = tiny.chunks(2, seed=9)
+    pool.store(a, tiny.spec())
+    pool.store(b, tiny.spec())
+    path = pool.files.path_for(a.id.key)
+    os.replace(pool.files.path_for(b.id.key), path)  # b's file under a's name
+    target = _Target(tiny.payload_bytes)
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.status is Status.CORRUPT and "identity" in got.error and target.entered == 0
+    pool.store(a, tiny.spec())
+    with open(path, "r+b") as f:
+        f.seek(PAYLOAD_OFFSET + 5)
+        byte = f.read(1)
+        f.seek(PAYLOAD_OFFSET + 5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    got = pool.load(a.id, tiny.spec(), pages=target.pages())
+    assert got.status is Status.CORRUPT and "payload_checksum" in got.error
+    assert (target.entered, target.left) == (1, 1) and not path.exists()
 
 
 def test_pages_of_the_wrong_size_are_a_bug_not_a_read(open_pool, tiny):
@@ -201,9 +255,9 @@ def test_no_read_inside_the_gate_waits_for_a_device(open_pool, tiny, monkeypatch
     monkeypatch.setattr(reads_mod.os, "preadv", evicted)
     got = pool.load(a.id, tiny.spec(), pages=Pages(target.pages().views, gated_enter, gated_leave))
     assert waited_inside == []
-    assert got.status is Status.HIT and not got.in_place and got.chunk is not None
-    assert bytes(got.chunk.payload()) == bytes(a.payload())  # read whole, outside the gate
-    assert (target.entered, target.left) == (1, 1)
+    assert got.status is Status.HIT and got.in_place and not got.from_cache
+    assert target.bytes() == bytes(a.payload())  # read whole outside the gate, then copied in
+    assert (target.entered, target.left) == (2, 2)  # the read in place that failed, and the copy
 
 
 def test_a_read_split_over_many_system_calls_fills_every_piece(open_pool, tiny, monkeypatch):
@@ -290,3 +344,39 @@ def test_a_read_in_place_that_outlives_its_load_writes_nothing(tiny, tmp_path):
     finally:
         faulty.wake()
         store.close()
+
+
+def test_device_reads_are_admitted_in_the_order_asked_within_the_window():
+    """A chunk directory on a local disk lets one window of bytes be read at once, first come
+    first served: a small read that would fit does not overtake a larger one before it."""
+    import threading
+
+    from kvtier.tiers.reads import DeviceWindow
+
+    window = DeviceWindow(100)
+    admitted: list[str] = []
+    release = {name: threading.Event() for name in "abcd"}
+
+    def read(name: str, nbytes: int) -> None:
+        with window.hold(nbytes):
+            admitted.append(name)
+            release[name].wait(5)
+
+    threads = []
+    for name, nbytes in (("a", 60), ("b", 60), ("c", 10), ("d", 500)):  # d: larger than the window
+        threads.append(threading.Thread(target=read, args=(name, nbytes)))
+        threads[-1].start()
+        time.sleep(0.05)  # each asks after the one before
+    assert admitted == ["a"]  # b waits for room; c, which would fit, waits its turn behind b
+    release["a"].set()
+    time.sleep(0.1)
+    assert admitted == ["a", "b", "c"]
+    release["b"].set()
+    release["c"].set()
+    time.sleep(0.1)
+    assert admitted == ["a", "b", "c", "d"]  # alone, once the window is empty
+    release["d"].set()
+    for t in threads:
+        t.join(5)
+    with DeviceWindow(0).hold(1 << 40), DeviceWindow(0).hold(1 << 40):  # 0: nothing held back
+        pass

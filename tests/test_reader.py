@@ -1,8 +1,9 @@
 """kvtier.reader: which I/O threads read a prefix, and how torch runs on kvtier's threads.
 
 Warm reads stay on one I/O thread (more threads only hand the GIL around), slow ones too when the
-page cache served them; the second slow read of the device calls up the tier's other threads so
-that reads overlap. Every kvtier thread runs torch's CPU
+page cache served them, unless their chunks are large; the second slow read of the device calls
+up the tier's other threads so that reads overlap, and a tier whose last read was slow starts its
+next load on all of them. Every kvtier thread runs torch's CPU
 ops on itself alone, without changing the engine's thread count.
 """
 
@@ -97,6 +98,41 @@ def test_slow_reads_from_the_page_cache_stay_on_one_io_thread(make_store, tiny, 
     n, names = _load_threads(store, tokens)
     assert n == 12
     assert len(names) >= 2, names
+
+
+def test_slow_reads_of_large_chunks_from_the_page_cache_spread(make_store, tiny, tmp_path, monkeypatch):
+    # A large chunk's page-cache read is a memory copy and a checksum that run without the GIL
+    # for milliseconds: a second thread doubles what the cache delivers.
+    monkeypatch.setattr(reader, "BIG_CACHED_READ_BYTES", tiny.payload_bytes)
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"), io_threads=4)
+    tokens = tiny.tokens(C * 12, seed=6)
+    store.put(tokens, tiny.kv(C * 12, seed=6))
+    store.flush()
+    store.tiers = [_SlowCPU(store.tiers[0])]
+    n, names = _load_threads(store, tokens)
+    assert n == 12
+    assert len(names) >= 2, names
+
+
+def test_a_tier_whose_last_read_was_slow_starts_the_next_load_on_all_its_threads(make_store, tiny, tmp_path,
+                                                                                   monkeypatch):
+    """Two slow reads in one load: the old rule read both on one thread (the second called up
+    the others with nothing left to read). After a slow load, the next starts spread."""
+    monkeypatch.setattr(reader, "FAST_READ_S", 0.02)  # 50 ms reads are slow, the pool's own are not
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "pool"), io_threads=4)
+    tokens = tiny.tokens(C * 2, seed=8)
+    store.put(tokens, tiny.kv(C * 2, seed=8))
+    store.flush()
+    pool = store.tiers[0]
+    store.tiers = [FaultyTier(pool, delay_prob=1.0, min_delay_s=0.05, max_delay_s=0.05, ops=("load",))]
+    n, first = _load_threads(store, tokens)
+    assert n == 2 and len(first) == 1, first
+    n, second = _load_threads(store, tokens)
+    assert n == 2 and len(second) == 2, second
+    store.tiers = [pool]  # fast again: the load after a fast read keeps to one thread
+    _load_threads(store, tokens)
+    n, third = _load_threads(store, tiny.tokens(C * 2, seed=8))
+    assert n == 2 and len(third) == 1, third
 
 
 def test_the_file_tier_says_when_the_page_cache_served_a_read(make_store, tiny, tmp_path):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import re
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -239,19 +238,14 @@ class ChunkSpec:
         _uncoded(header)
         return _checked_payload(buf, header, self.payload_bytes)
 
-    def decode_parts(self, head: bytes | memoryview, payload: Sequence[memoryview],
-                     chunk: ChunkId) -> None:
-        """``decode`` for a chunk file read in pieces: its header region ``head`` and its payload
-        spread over ``payload`` (in order; their sizes add up to ``payload_bytes``, which the
-        caller checked). Raises ChunkError as ``decode`` does."""
+    def payload_digest(self, head: bytes | memoryview, chunk: ChunkId) -> PayloadDigest:
+        """For a chunk file read in pieces: check its header region ``head`` against ``chunk``
+        (raises ChunkError as ``decode`` does), and return the checksum to feed the payload's
+        pieces to, in order, before ``verify``."""
         header = unpack_header(head)
         self.check(header, chunk)
         _uncoded(header)
-        digest = xxhash.xxh3_64()  # streaming: the same digest as the whole payload's at once
-        for part in payload:
-            digest.update(part)
-        if digest.intdigest() != header.payload_xxh3:
-            raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
+        return PayloadDigest(header.payload_xxh3)
 
     def decode_coded(self, buf: memoryview, chunk: ChunkId, out: torch.Tensor) -> None:
         """Validate a coded chunk file's image in ``buf`` (its length the file's) and decode its
@@ -271,6 +265,22 @@ class ChunkSpec:
             decode_into(header.codec, torch.frombuffer(stored, dtype=torch.uint8), out)
         except (CodecDataError, RuntimeError) as exc:  # RuntimeError: torch refusing a view or shape
             raise ChunkError(ChunkFault.CODEC, str(exc)) from exc
+
+
+class PayloadDigest:
+    """A payload's checksum computed piece by piece (the same xxh3 as over the whole at once)."""
+
+    def __init__(self, expected: int) -> None:
+        self._expected = expected
+        self._digest = xxhash.xxh3_64()
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._digest.update(piece)
+
+    def verify(self) -> None:
+        """Raise ChunkError(PAYLOAD_CHECKSUM) unless the pieces fed add up to the header's checksum."""
+        if self._digest.intdigest() != self._expected:
+            raise ChunkError(ChunkFault.PAYLOAD_CHECKSUM)
 
 
 def _checked_payload(buf: memoryview, header: ChunkHeader, nbytes: int) -> memoryview:

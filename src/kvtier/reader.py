@@ -63,12 +63,19 @@ a tier's queue stays on one I/O thread until ``SLOW_READS`` reads were slower. M
 2-core machine, a warm 8k load of 64 files of 256 KiB: 9-11 ms on one I/O thread, 13-25 ms
 spread over 2-8 (each read from the page cache takes about 80 us, a GIL hand-off tens of us);
 with 0.2 ms, scheduling jitter spread warm loads too (13-21 ms)."""
+BIG_CACHED_READ_BYTES = 4 << 20
+"""A page-cache read of a chunk at least this large counts as slow when it took over
+``FAST_READ_S``, as a device read does: its memory copy and checksum run without the GIL for
+milliseconds (a 32 MiB chunk of an 8B-class model: about 5 ms on a 2-core machine), so a second
+thread doubles what the cache delivers. Smaller ones never count (below)."""
 SLOW_READS = 2
 """Slow reads before a tier's other threads are called up: two, so that one read delayed by the
 scheduler (the engine's threads share the cores) does not spread a load. Reads the page cache
-served (``LoadResult.from_cache``) never count, however long they took: in vLLM's process on
-2 cores they took 0.3 ms of CPU each and waited as long again for a core, and calling up a
-second thread only added a third runnable thread."""
+served (``LoadResult.from_cache``) of chunks under ``BIG_CACHED_READ_BYTES`` never count,
+however long they took: in vLLM's process on 2 cores they took 0.3 ms of CPU each and waited as
+long again for a core, and calling up a second thread only added a third runnable thread.
+A tier whose last read was slow starts its next load on all its threads at once: a load of a
+few large chunks would otherwise read ``SLOW_READS`` of them one after the other first."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +192,7 @@ class PrefixReader:
         # cancelled) hold only that tier's threads, never the ones other tiers' reads need.
         self._io: dict[str, cf.ThreadPoolExecutor] = {}
         self._io_lock = threading.Lock()
+        self._slow: dict[str, bool] = {}  # by tier name: whether its last read was slow (``_drain``)
 
     def load(self, ids: Sequence[ChunkId], located: Sequence[Level], tiers: Sequence[Tier], spec: ChunkSpec,
              sink: Sink, *, promote: bool, stop: threading.Event | None,
@@ -253,9 +261,13 @@ class PrefixReader:
 
     def _queue(self, load: _Load, queue: _Queue, tier: Tier) -> None:
         """Read ``queue``'s chunks from ``tier`` on its I/O threads, each result set on its future
-        (cancelled futures are skipped): one thread, until device reads are slow (``FAST_READ_S``)."""
-        task = self._pool(tier).submit(self._drain, load, queue, tier, SLOW_READS)
-        task.add_done_callback(partial(_cancel_if_cancelled, queue))
+        (cancelled futures are skipped): one thread, until reads are slow (``FAST_READ_S``); all
+        of them at once when the tier's last read was slow."""
+        spread = self._slow.get(tier.name, False) and len(queue) > 1
+        pool = self._pool(tier)
+        for _ in range(min(self._io_threads, len(queue)) if spread else 1):
+            task = pool.submit(self._drain, load, queue, tier, 0 if spread else SLOW_READS)
+            task.add_done_callback(partial(_cancel_if_cancelled, queue))
 
     def _drain(self, load: _Load, queue: _Queue, tier: Tier, slow_reads: int) -> None:
         """On an I/O thread: take chunks from ``queue`` until it is empty. After ``slow_reads``
@@ -272,7 +284,10 @@ class PrefixReader:
                 fut.set_result(self._deliver(load, index, tier))
             except BaseException as e:  # _Gone, or a tier's or the sink's bug: the caller decides
                 fut.set_exception(e)
-            if slow_reads and queue and time.perf_counter() - t0 > FAST_READ_S and not load.from_cache[index]:
+            slow = time.perf_counter() - t0 > FAST_READ_S and (
+                not load.from_cache[index] or load.spec.payload_bytes >= BIG_CACHED_READ_BYTES)
+            self._slow[tier.name] = slow
+            if slow_reads and queue and slow:
                 slow_reads -= 1
                 if slow_reads:
                     continue

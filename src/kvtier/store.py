@@ -216,7 +216,11 @@ class TieredStore:
             else:
                 np.copyto(target[:, :, index * c:(index + 1) * c], data.view(torch.uint8).numpy())
 
-        loaded = self.load_into(ids, sink, tenant_salt=tenant_salt)
+        # With no host DRAM to promote into, a chunk the page cache holds is read straight into
+        # ``out`` (one memory copy instead of two; its checksum verified there).
+        place = None if target is None or self.host is not None or not out.is_contiguous() else Placement(
+            partial(_chunk_views, target, c), lambda index: None)
+        loaded = self.load_into(ids, sink, tenant_salt=tenant_salt, place=place, promote=place is None)
         if loaded.num_chunks < len(ids):
             raise KeyError(f"only {loaded.num_chunks} of {len(ids)} chunks are cached; call lookup() "
                            "again and recompute the rest")
@@ -470,3 +474,10 @@ def _fill(buffer: torch.Tensor, data: ChunkData) -> None:
         data(buffer)
     else:
         buffer.copy_(data)
+
+
+def _chunk_views(target: np.ndarray, chunk_tokens: int, index: int) -> list[memoryview]:
+    """Chunk ``index``'s payload segments in a C-contiguous byte view of ``get``'s ``out``
+    (``[layers, 2, tokens, heads, head_dim bytes]``), in payload order: one per layer and K/V."""
+    part = target[:, :, index * chunk_tokens:(index + 1) * chunk_tokens]
+    return [memoryview(part[layer, kv]).cast("B") for layer in range(part.shape[0]) for kv in range(2)]

@@ -46,7 +46,7 @@ from kvtier.tiers.base import Chunk, LoadResult, Pages, Status, aligned_buffer
 from kvtier.tiers.listing import SUFFIX, ChunkFile
 from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
 from kvtier.tiers.presence import Presence
-from kvtier.tiers.reads import LoadEnded, NotCached, fill, read_in_place
+from kvtier.tiers.reads import DeviceWindow, LoadEnded, NotCached, copy_in_place, fill, read_in_place
 
 log = logging.getLogger(__name__)
 __all__ = ["MARKER", "SUFFIX", "ChunkFile", "ChunkFiles"]
@@ -88,6 +88,7 @@ class ChunkFiles:
         """File-metadata calls made by lookups (``leading_present``)."""
         self.codec_rates = CodecRates()
         """This directory's read and decode rates, learnt from its reads (``kv_codec: auto``)."""
+        self.device_window = DeviceWindow() if self._local else DeviceWindow(0)
         if create:
             self._ensure_root()
 
@@ -255,13 +256,14 @@ class ChunkFiles:
         page cache of a local filesystem served it (``LoadResult.from_cache``; False when the kernel
         cannot tell, and on a network filesystem, where the open was a round trip anyway).
 
-        With ``pages``, a file that the page cache of a local filesystem holds whole is read
-        straight into them (one ``preadv``: the header into a scratch buffer, the payload into
-        ``pages.views``) and validated there: the returned chunk is None, and ``into`` untouched.
-        Only such reads go there: they are memory copies, so the caller's memory is held for
-        microseconds, never for a device's or a server's answer. (A page evicted between the
-        check and the read is not waited for there: ``RWF_NOWAIT`` fails, and the file is read
-        whole outside the gate, as a cold one.)
+        With ``pages``, an uncoded chunk lands there and is validated there: the returned chunk
+        is None. A file that the page cache of a local filesystem holds whole is read straight
+        into them (``read_in_place``: ``preadv``, the header into a scratch buffer first), ``into``
+        untouched; any other is read whole into ``into`` first, outside the gate, then copied
+        (``copy_in_place``). Only memory copies run inside the gate, so the caller's memory is
+        held for milliseconds at most, never for a device's or a server's answer. (A page evicted
+        between the check and the read is not waited for there: ``RWF_NOWAIT`` fails, and the
+        file is read whole outside the gate, as a cold one.)
         """
         fd = self._open_read(path)
         try:
@@ -287,11 +289,15 @@ class ChunkFiles:
             buf = aligned_buffer(spec.file_bytes) if into is None else into
             # A coded file is read into a buffer of its own, then decoded into the payload region.
             view = aligned_buffer(size).data if coded else buf.data
-            t0 = time.perf_counter()
-            fill(fd, view, direct)
-            self.codec_rates.observe_read(size, time.perf_counter() - t0)
+            with self.device_window.hold(0 if from_cache else size):  # a page-cache hit is a memory copy
+                t0 = time.perf_counter()
+                fill(fd, view, direct)
+                self.codec_rates.observe_read(size, time.perf_counter() - t0)
         finally:
             os.close(fd)
+        if pages is not None and not coded:  # read outside the gate; only the copy runs inside
+            copy_in_place(view, spec, cid, pages)
+            return None, st.st_mtime, from_cache and self._local
         data = torch.from_numpy(buf[PAYLOAD_OFFSET:PAYLOAD_OFFSET + spec.payload_bytes])
         if coded:
             t0 = time.perf_counter()
