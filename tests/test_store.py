@@ -100,6 +100,32 @@ def test_round_trip_through_each_lower_tier_alone(make_store, tiny, tmp_path, bi
     assert [(c.index, c.tier) for c in loaded] == [(i, tier) for i in range(4)]
 
 
+def test_get_fills_out_in_place_warm_or_cold_and_a_strided_out_through_the_sink(make_store, tiny, tmp_path,
+                                                                                 bits_equal):
+    """With no host DRAM, ``get`` lands chunks in ``out`` itself: read there from the page cache,
+    or copied there from the read buffer when cold; an ``out`` that is not contiguous gets copies."""
+    store = make_store(host_bytes=0, pool_url=new_pool(tmp_path / "p"), io_threads=3)
+    tokens, kv = tiny.tokens(C * 5, seed=11), tiny.kv(C * 5, seed=11)
+    store.put(tokens, kv)
+    store.flush()
+    out = torch.full(tuple(kv.shape), 7.0, dtype=kv.dtype)
+    bits_equal(store.get(tokens, out=out), kv)
+    for path in (tmp_path / "p").rglob("*.kvt"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    out.fill_(7.0)
+    assert store.get(tokens, out=out) is out
+    bits_equal(out, kv)
+    strided = torch.full((kv.shape[0], kv.shape[1], 2 * kv.shape[2], *kv.shape[3:]), 7.0,
+                         dtype=kv.dtype)[:, :, :kv.shape[2]]
+    assert not strided.is_contiguous()
+    bits_equal(store.get(tokens, out=strided), kv)
+
+
 def test_put_chunk_now_writes_every_tier_before_it_returns(make_store, tiny, tmp_path, bits_equal):
     """The synchronous write (SGLang's backup thread): no queue, no host DRAM, a true answer."""
     store = make_store(host_bytes=0, disk_path=str(tmp_path / "d"), pool_url=new_pool(tmp_path / "p"))

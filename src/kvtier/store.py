@@ -478,6 +478,10 @@ def _fill(buffer: torch.Tensor, data: ChunkData) -> None:
 
 def _chunk_views(target: np.ndarray, chunk_tokens: int, index: int) -> list[memoryview]:
     """Chunk ``index``'s payload segments in a C-contiguous byte view of ``get``'s ``out``
-    (``[layers, 2, tokens, heads, head_dim bytes]``), in payload order: one per layer and K/V."""
-    part = target[:, :, index * chunk_tokens:(index + 1) * chunk_tokens]
-    return [memoryview(part[layer, kv]).cast("B") for layer in range(part.shape[0]) for kv in range(2)]
+    (``[layers, 2, tokens, heads, head_dim bytes]``), in payload order: one per layer and K/V.
+    (Slices of one flat memoryview: a numpy view per segment costs several times as much.)"""
+    layers, _, tokens = target.shape[:3]
+    row = target.nbytes // (layers * 2 * tokens)  # bytes per token of one layer's K or V
+    flat = target.reshape(-1).data
+    size = chunk_tokens * row
+    return [flat[(seg * tokens + index * chunk_tokens) * row:][:size] for seg in range(layers * 2)]

@@ -107,6 +107,9 @@ def copy_in_place(image: memoryview, spec: ChunkSpec, cid: ChunkId, pages: Pages
 
 def _pieces(views: Sequence[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
     """``views`` in order, in runs of about ``nbytes`` (a larger view is cut; none is empty)."""
+    if sum(v.nbytes for v in views) <= nbytes:  # a small chunk (most of a TP shard's): one run, as is
+        yield [v for v in views if v.nbytes]
+        return
     run: list[memoryview] = []
     size = 0
     for view in views:
