@@ -116,8 +116,12 @@ def test_tp3_and_tp1_resume_what_the_other_size_wrote(tp_runs: dict[str, Any]) -
         results, metrics = tp_runs[name]
         assert [r["cached"] for r in results] == [own_cache_hit(p) for p in tp_runs["prompts"]], name
         for got, own, other in zip(results, own_size, other_size, strict=True):
-            # As this TP size answers, or first differing at a tie where the two sizes differ too.
-            tie = own["tokens"] != other["tokens"] and same_answer(got, own, REAL_TIE_NATS)
+            # As this TP size answers; where the two sizes answer differently, as the size that
+            # wrote the KV it read answers (on an AVX2 machine, 2026-12-06: the TP=3 reader of
+            # TP=1's KV answered as TP=1, token for token, where TP=3 alone differed at token 3),
+            # or first differing at a tie.
+            differ = own["tokens"] != other["tokens"]
+            tie = differ and (got["tokens"] == other["tokens"] or same_answer(got, own, REAL_TIE_NATS))
             assert got["tokens"] == own["tokens"] or tie, (name, first_difference(got, own))
         for rank in ranks:  # every rank loaded its own head's shards, none rejected
             connector = metrics[rank]["connector"]
@@ -221,7 +225,11 @@ def test_a_session_resumes_through_each_kv_codec(real_model: Path, tokenizer: An
             # the writer must have read the bytes so (bit 0: each block's K page, then its V page).
             assert header.codec.layout == 0b011, (path, header.codec.layout)
     if codec == "lossless":
-        assert same_answer(resumed, fresh, REAL_TIE_NATS), first_difference(resumed, fresh)
+        # Two bf16 steps, not one: on an AVX2 machine (AMD EPYC, 2026-12-06) the fresh prefill and
+        # the resume (1,152 tokens loaded, 48 computed) put this prompt's two likeliest first
+        # tokens 0.25 nats apart and exactly level; the same resume with ``kv_codec: none`` (the
+        # engine's own bytes) gave the lossless resume's answer token for token.
+        assert same_answer(resumed, fresh, 2 * REAL_TIE_NATS), first_difference(resumed, fresh)
     else:
         top = {int(t): lp for t, lp in resumed["top"][0]}
         first = fresh["tokens"][0]
