@@ -55,10 +55,7 @@ def read_in_place(fd: int, size: int, spec: ChunkSpec, cid: ChunkId, pages: Page
     then its payload into ``pages.views`` piece by piece, checksummed as it lands (the padding
     after it is not read). All inside ``pages.enter``/``leave``. Raises ChunkError, OSError,
     ``NotCached`` or ``LoadEnded``."""
-    if sum(v.nbytes for v in pages.views) != spec.payload_bytes:
-        raise ValueError(f"pages of {sum(v.nbytes for v in pages.views)} B for a payload of {spec.payload_bytes} B")
-    if size < PAYLOAD_OFFSET + spec.payload_bytes:
-        raise ChunkError(ChunkFault.TRUNCATED, f"{size} of {PAYLOAD_OFFSET + spec.payload_bytes} bytes")
+    _check_sizes(pages, spec, size)
     if not _NOWAIT:
         raise NotCached  # no way to read only what the cache holds: never risk a device read in the gate
     head = memoryview(bytearray(PAYLOAD_OFFSET))
@@ -84,10 +81,7 @@ def copy_in_place(image: memoryview, spec: ChunkSpec, cid: ChunkId, pages: Pages
     ``pages.views``, piece by piece, each checksummed right after its copy, while it is still in
     the CPU's cache: one pass over memory fewer than checking the image and then copying it.
     The copy runs inside ``pages.enter``/``leave``. Raises ChunkError or ``LoadEnded``."""
-    if sum(v.nbytes for v in pages.views) != spec.payload_bytes:
-        raise ValueError(f"pages of {sum(v.nbytes for v in pages.views)} B for a payload of {spec.payload_bytes} B")
-    if len(image) < PAYLOAD_OFFSET + spec.payload_bytes:
-        raise ChunkError(ChunkFault.TRUNCATED, f"{len(image)} of {PAYLOAD_OFFSET + spec.payload_bytes} bytes")
+    _check_sizes(pages, spec, len(image))
     digest = spec.payload_digest(image[:PAYLOAD_OFFSET], cid)
     src = np.frombuffer(image, dtype=np.uint8)
     if not pages.enter():
@@ -103,6 +97,16 @@ def copy_in_place(image: memoryview, spec: ChunkSpec, cid: ChunkId, pages: Pages
         digest.verify()
     finally:
         pages.leave()
+
+
+def _check_sizes(pages: Pages, spec: ChunkSpec, file_bytes: int) -> None:
+    """Before anything lands in ``pages``: their sizes add up to the payload (else ValueError: the
+    caller's bug), and a file of ``file_bytes`` holds a whole one (else ChunkError TRUNCATED)."""
+    placed = sum(v.nbytes for v in pages.views)
+    if placed != spec.payload_bytes:
+        raise ValueError(f"pages of {placed} B for a payload of {spec.payload_bytes} B")
+    if file_bytes < PAYLOAD_OFFSET + spec.payload_bytes:
+        raise ChunkError(ChunkFault.TRUNCATED, f"{file_bytes} of {PAYLOAD_OFFSET + spec.payload_bytes} bytes")
 
 
 def _pieces(views: Sequence[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
