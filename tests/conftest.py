@@ -198,3 +198,11 @@ def _has_sglang() -> bool:
 
 
 collect_ignore = [] if _has_sglang() else ["hicache"]
+
+
+@pytest.hookimpl(tryfirst=True)  # the order the workers take modules in
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from _schedule import distributing, order_for_workers
+
+    if distributing(config):
+        order_for_workers(items)
