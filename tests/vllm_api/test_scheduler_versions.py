@@ -9,6 +9,7 @@ in the right blocks, not only that some tokens were counted.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,19 @@ def test_a_prompt_computed_once_is_loaded_into_new_blocks_with_its_kv(engines: A
     assert engine.outputs["again"] == engine.outputs["first"]
     assert counters.get("async_loads", 0) == (1 if mode == "async" else 0)
     assert engine.free_blocks() == total
+
+
+def test_the_metrics_file_holds_the_final_counters_once_the_engine_drains(engines: Any, tmp_path: Path) -> None:
+    """vLLM 0.32 may stop the engine core without giving the scheduler's connector its shutdown:
+    the file it rewrites every 5 s must hold the final counts as soon as no request is left (it
+    was up to 5 s stale: a loaded request's match missing while the worker's file counted it)."""
+    engine = engines(settings(tmp_path, metrics_file=str(tmp_path / "m")))
+    run_alone(engine, [("first", PROMPT, 4)])
+    for again in ("again", "third"):  # (the first load's new read rate rewrites the file at once)
+        engine.reset_prefix_cache()
+        run_alone(engine, [(again, PROMPT, 4)])
+    written = json.loads((tmp_path / "m.scheduler.json").read_text())["connector"]
+    assert written["matched_tokens"] == engine.counters()["matched_tokens"] == 2 * USABLE
 
 
 def test_a_restarted_engine_resumes_from_the_pool(engines: Any, tmp_path: Path) -> None:

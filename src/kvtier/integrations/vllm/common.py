@@ -185,7 +185,8 @@ class MetricsFile:
     """``<base>.<role>.json``, rewritten every few seconds while serving and at shutdown.
 
     Every few seconds, not only at shutdown: vLLM 0.32 can kill the engine core before the
-    scheduler's connector shuts down, and operators want live numbers.
+    scheduler's connector shuts down, and operators want live numbers. For the same reason the
+    scheduler's connector also writes it whenever the engine drains (``request_finished``).
     """
 
     def __init__(self, base: str | None, role: str, snapshot: Callable[[], dict[str, Any]]) -> None:

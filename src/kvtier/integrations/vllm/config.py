@@ -117,7 +117,8 @@ class ConnectorConfig:
     """With vLLM's KV events on: how many chunks' block hashes the scheduler remembers to
     announce and withdraw them (about 2.5 KB each at 256 tokens per chunk)."""
     metrics_file: str | None = None
-    """Rewrite ``<metrics_file>.<role>.json`` every 5 s and at shutdown."""
+    """Rewrite ``<metrics_file>.<role>.json`` every 5 s, at shutdown, and (the scheduler's) whenever
+    the engine drains."""
     profile_file: str | None = None
     """Append one JSON line per request to this file once its prefill is scheduled: where its
     time went (lookup, waiting for the load, each rank's reads and copies, the prefill step;

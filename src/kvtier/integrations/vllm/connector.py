@@ -146,7 +146,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """True (vLLM holds the blocks until ``get_finished`` says so) while generated tokens are saved."""
         if self.scheduler is None:
             return False, None
-        return self.scheduler.request_finished(request, block_ids), None
+        held = self.scheduler.request_finished(request, block_ids)
+        if not self.scheduler.requests_left():
+            # Drained: the engine may idle or be stopped from here, and vLLM does not always give
+            # the scheduler's connector its shutdown; the file is current whenever no request is left.
+            self.metrics_file.write()
+        return held, None
 
     def reset_cache(self) -> bool | None:
         """vLLM resets the connector's cache (new weights): see ``SchedulerRole.reset_cache``."""
@@ -154,7 +159,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """``BlockStored`` / ``BlockRemoved`` of kvtier's tiers since the last call (KV events on)."""
-        return self.scheduler.take_events() if self.scheduler is not None else ()
+        events = self.scheduler.events if self.scheduler is not None else None
+        return events.take() if events is not None else ()
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -477,8 +477,8 @@ class SchedulerRole:
     def lookups_in_flight(self) -> int:
         return sum(1 for s in self._requests.values() if s.lookup is not None and not s.lookup.future.done())
 
-    def take_events(self) -> list[Any]:
-        return self.events.take() if self.events is not None else []
+    def requests_left(self) -> int:  # 0: the engine has drained (every request it saw finished)
+        return len(self._requests)
 
     def stats(self) -> tuple[dict[str, float], dict[str, float]]:
         """(counters, gauges) for vLLM's /metrics (``stats.flatten``): the lookups' tier counters."""
