@@ -54,11 +54,10 @@ if [ "$SGLANG" = 1 ]; then
     PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV" >"$SGL_LOG" 2>&1 &
     SGL_PID=$!
 fi
-# KVTIER_TEST_WORKERS=2 shares the full run between two workers (pytest-xdist; tests/_schedule.py
-# says how the work is cut): much of an engine test is one process starting up on one core. It
-# is not the default yet: on two workers a preemption test has seen its counters disagree (the
-# CPU contention changes the engine's interleaving; docs/benchmarks.md, "CI time").
-WORKERS=${KVTIER_TEST_WORKERS:-0}
+# The full run shares the tests between two workers (pytest-xdist; tests/_schedule.py says how the
+# work is cut: a module per worker, longest first): much of an engine test is one process starting
+# up on one core. KVTIER_TEST_WORKERS=0 runs them in one process, N on N workers.
+WORKERS=${KVTIER_TEST_WORKERS:-2}
 if [ $# -eq 0 ] && [ "$WORKERS" != 0 ]; then
     set -- -n "$WORKERS" --dist loadfile --no-loadscope-reorder
 fi
