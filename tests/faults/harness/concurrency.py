@@ -251,12 +251,17 @@ def _sample_sizes(pool: Path, deadline: float, sizes: list[int]) -> None:
     """The pool's chunk bytes on disk, every few milliseconds until ``deadline``."""
     while time.monotonic() < deadline:
         total = 0
-        for path in pool.glob("??/??/*.kvt"):
+        try:
+            paths = list(pool.glob("??/??/*.kvt"))
+        except FileNotFoundError:  # a directory emptied and removed by the gc while it was listed
+            paths = None
+        for path in paths or ():
             try:
                 total += path.lstat().st_size
             except OSError:
                 continue  # evicted since the listing
-        sizes.append(total)
+        if paths is not None:
+            sizes.append(total)
         time.sleep(0.005)
 
 
