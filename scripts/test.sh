@@ -49,7 +49,7 @@ SGLANG=${KVTIER_TEST_SGLANG:-$([ $# -eq 0 ] && echo 1 || echo 0)}
 SGL_VENV=${KVTIER_SGLANG_VENV:-.venv-sglang}
 if [ "$SGLANG" = 1 ]; then
     # Built beside the main run (mostly downloads and unpacking, about 3 minutes on a fresh
-    # machine) rather than after it: the full run stays under CI's 45 minutes.
+    # machine) rather than after it: off the run's critical path.
     SGL_LOG=$(mktemp) && LOGS+=("$SGL_LOG")
     PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV" >"$SGL_LOG" 2>&1 &
     SGL_PID=$!

@@ -253,15 +253,15 @@ def _sample_sizes(pool: Path, deadline: float, sizes: list[int]) -> None:
         total = 0
         try:
             paths = list(pool.glob("??/??/*.kvt"))
-        except FileNotFoundError:  # a directory emptied and removed by the gc while it was listed
-            paths = None
-        for path in paths or ():
+        except FileNotFoundError:  # a directory emptied and removed by the gc while listed: again
+            time.sleep(0.005)
+            continue
+        for path in paths:
             try:
                 total += path.lstat().st_size
             except OSError:
                 continue  # evicted since the listing
-        if paths is not None:
-            sizes.append(total)
+        sizes.append(total)
         time.sleep(0.005)
 
 
