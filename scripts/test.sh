@@ -2,8 +2,8 @@
 # Install everything the tests need into .venv-test (created here) and run them.
 # Usage: scripts/test.sh [pytest args...]
 # With no arguments (the full run, CI's) it also builds the SGLang venv (scripts/sglang-venv.sh,
-# .venv-sglang, about 3 minutes the first time, beside the main run) and then runs tests/hicache/
-# there; set KVTIER_TEST_SGLANG=0 to skip that part, =1 to run it with arguments too.
+# .venv-sglang, about 3 minutes the first time) and runs tests/hicache/ there, both beside the main
+# run; set KVTIER_TEST_SGLANG=0 to skip that part, =1 to run it with arguments too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The Redis tier's tests start their own redis-server (never the system service); runs as root in CI.
@@ -48,10 +48,18 @@ export KVTIER_REQUIRE_VLLM=1  # a broken vLLM install fails the run instead of s
 SGLANG=${KVTIER_TEST_SGLANG:-$([ $# -eq 0 ] && echo 1 || echo 0)}
 SGL_VENV=${KVTIER_SGLANG_VENV:-.venv-sglang}
 if [ "$SGLANG" = 1 ]; then
-    # Built beside the main run (mostly downloads and unpacking, about 3 minutes on a fresh
-    # machine) rather than after it: off the run's critical path.
+    # Built and run beside the main run (the build is mostly downloads and unpacking, about 3
+    # minutes on a fresh machine; the tests under a minute) rather than after it: off the run's
+    # critical path. Its output is shown after pytest's.
     SGL_LOG=$(mktemp) && LOGS+=("$SGL_LOG")
-    PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV" >"$SGL_LOG" 2>&1 &
+    (
+        if ! PYTHON=${PYTHON:-python3} bash scripts/sglang-venv.sh "$SGL_VENV"; then
+            echo "scripts/sglang-venv.sh failed: the SGLang venv is not built"
+            exit 1
+        fi
+        # SGLang's storage path on CPU: its factory, host pool and HiCache controller (tests/hicache).
+        PYTHONWARNINGS=ignore "$SGL_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/hicache
+    ) >"$SGL_LOG" 2>&1 &
     SGL_PID=$!
 fi
 # The full run shares the tests between two workers (pytest-xdist; tests/_schedule.py says how the
@@ -61,14 +69,11 @@ WORKERS=${KVTIER_TEST_WORKERS:-2}
 if [ $# -eq 0 ] && [ "$WORKERS" != 0 ]; then
     set -- -n "$WORKERS" --dist loadfile --no-loadscope-reorder
 fi
-"$VENV/bin/python" -m pytest -q "$@"
+RC=0
+"$VENV/bin/python" -m pytest -q "$@" || RC=$?
 if [ "$SGLANG" = 1 ]; then
-    if ! wait "$SGL_PID"; then
-        cat "$SGL_LOG" >&2
-        echo "scripts/sglang-venv.sh failed: the SGLang venv is not built" >&2
-        exit 1
-    fi
-    cat "$SGL_LOG" >&2
-    # SGLang's storage path on CPU: its factory, host pool and HiCache controller (tests/hicache).
-    PYTHONWARNINGS=ignore "$SGL_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/hicache
+    echo "--- SGLang (.venv-sglang): tests/hicache ---"
+    wait "$SGL_PID" || RC=1
+    cat "$SGL_LOG"
 fi
+exit "$RC"

@@ -24,7 +24,14 @@ class EngineFailed(AssertionError):
 
 def run_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], connector: dict[str, Any] | None,
                timeout_s: float = 900, **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Results and ``{"preemptions": n, "scheduler": ..., "worker": ..., "worker1": ...}`` metrics."""
+    """Results and ``{"preemptions": n, "scheduler": ..., "worker": ..., "worker1": ...}`` metrics.
+
+    vLLM's engine core runs in the runner's process unless ``engine_core_in_process=False``:
+    the model workers keep processes of their own, so the connector's scheduler and worker roles
+    still meet only across a process boundary, and each engine starts one process fewer (the
+    suite's time is mostly engine starts). ``vllm serve`` tests, ``run_async_engine`` and one
+    offline test keep vLLM's default of three processes."""
+    options.setdefault("engine_core_in_process", True)
     out, metrics = _spawn(ENGINE, model, tmp, name, prompts, connector, timeout_s, options)
     return out["results"], {"preemptions": out["preemptions"], **metrics}
 

@@ -100,7 +100,8 @@ class Bench:
         for stale in (self.workdir / f"{name}.json", *self.workdir.glob(f"{name}.metrics.*.json")):
             stale.unlink(missing_ok=True)  # an earlier run's, under the same name: never read as this one's
         spec = {"model": str(self.model), "out": str(self.workdir / f"{name}.json"), "prompts": self.prompts,
-                "connector": connector, "plan": plan, "loop_s": loop_s, "max_model_len": 8192}
+                "connector": connector, "plan": plan, "loop_s": loop_s, "max_model_len": 8192,
+                "engine_core_in_process": True}  # one process fewer to start (tests/integration/_runs.py)
         path = self.workdir / f"{name}.spec.json"
         path.write_text(json.dumps(spec))
         log = open(self.workdir / f"{name}.log", "w")
