@@ -33,6 +33,8 @@ def run_engine(model: Path, tmp: Path, name: str, prompts: list[list[int]], conn
     offline test keep vLLM's default of three processes."""
     options.setdefault("engine_core_in_process", True)
     out, metrics = _spawn(ENGINE, model, tmp, name, prompts, connector, timeout_s, options)
+    if "scheduler" in metrics and "worker" in metrics:  # the layout the docstring promises
+        assert metrics["scheduler"]["pid"] != metrics["worker"]["pid"], "the worker ran in the engine core's process"
     return out["results"], {"preemptions": out["preemptions"], **metrics}
 
 

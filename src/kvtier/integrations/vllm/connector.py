@@ -11,6 +11,7 @@ A vLLM release it was not tested with is refused here too (``releases.py``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -252,7 +253,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.metrics_file.write()
 
     def _snapshot(self) -> dict[str, Any]:
-        snapshot: dict[str, Any] = {"connector": dict(self.counters)}
+        snapshot: dict[str, Any] = {"pid": os.getpid(), "connector": dict(self.counters)}
         for role in (self.scheduler, self.worker):
             if role is not None:
                 snapshot.update(role.snapshot())
