@@ -29,7 +29,10 @@ integration tests and the fault harness. SPEC keys (all but ``model``, ``out`` a
   scheduler role, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) while the model
   worker keeps a process of its own (executor ``mp``), so the scheduler and worker roles still
   talk across a process boundary as in ``vllm serve``. It saves one process's start (about
-  10 s of imports on 2 cores); the engine's steps, batches and outputs are the same.
+  10 s of imports on 2 cores). An engine core in its own process goes on stepping while its
+  scheduler holds finished requests (the connector's saves of their answers, which vLLM hands
+  to the worker in a step); ``LLM`` in this process stops when the last output is back, so the
+  runner steps it until the scheduler holds none, after each step of the plan.
 
 Output: ``{"start_s", "preemptions", "passes", "actions": [{"sh", "rc", "err"}], "results":
 [{"p", "cut", "salt", "tag", "pass", "prompt_tokens", "tokens", "top", "cached", "seconds",
@@ -186,6 +189,9 @@ def _plan(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return steps
 
 
+SETTLE_S = 120.0  # steps after a plan step before an engine that never lets go of a request fails the run
+
+
 class _Runner:
     def __init__(self, spec: dict[str, Any], llm: Any) -> None:
         from vllm import SamplingParams
@@ -229,15 +235,30 @@ class _Runner:
             out = self.llm.generate([prompt], self.params, use_tqdm=False)[0]
             self.results.append(_result(out, time.perf_counter() - t0, len(ids), step, self.passes))
 
+    def settle(self) -> None:
+        """With the engine core in this process: step it until its scheduler holds no request, as
+        its own process's loop does (vLLM's ``has_requests``: finished requests whose blocks a
+        connector still holds, e.g. for the saves of their answers, count)."""
+        core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
+        if core is None:  # the engine core runs in its own process
+            return
+        deadline = time.monotonic() + SETTLE_S
+        while core.scheduler.has_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine still holds requests after {SETTLE_S:.0f} s of steps")
+            self.llm.llm_engine.step()
+
     def run(self) -> None:
         if self.spec.get("batch"):
             self.batch()
+            self.settle()
             return
         plan, loop_s = _plan(self.spec), self.spec.get("loop_s")
         t_start = time.monotonic()
         while True:
             for step in plan:
                 self.step(step)
+                self.settle()
             self.passes += 1
             if not loop_s or time.monotonic() - t_start >= loop_s:
                 break
