@@ -152,7 +152,7 @@ def test_serve_refuses_an_untested_vllm_before_starting_it(monkeypatch: pytest.M
     from kvtier.cli import serve_cmd
 
     monkeypatch.setattr(serve_cmd, "installed_vllm", lambda: "0.35.1")
-    monkeypatch.setattr(serve_cmd.os, "execv", lambda *a: pytest.fail("vLLM was started"))
+    monkeypatch.setattr(serve_cmd.os, "execve", lambda *a: pytest.fail("vLLM was started"))
     assert main(["serve", "--", "--model", "/m"]) == 2
     assert "tested with vLLM 0.32.x, 0.33.x, 0.34.x; this is vLLM 0.35.1" in capsys.readouterr().err
     cfg = tmp_path / "kvtier.yaml"
@@ -160,6 +160,37 @@ def test_serve_refuses_an_untested_vllm_before_starting_it(monkeypatch: pytest.M
     serve_cmd.check_vllm(str(cfg))  # allowed: no error
     monkeypatch.setattr(serve_cmd, "installed_vllm", lambda: "0.34.0")
     serve_cmd.check_vllm(None)
+
+
+@pytest.mark.parametrize(("args", "machine", "reserved"), [
+    (["--model", "/m"], "x86_64", 1),
+    (["--model", "/m", "-tp", "2"], "x86_64", 2),
+    (["--tensor-parallel-size=4", "--pipeline-parallel-size", "2"], "aarch64", 8),
+    (["-tp=2", "--port", "8000"], "x86_64", 2),
+    (["-tp", "2"], "ppc64le", 1),  # vLLM reserves one core in all on other architectures
+    (["-tp", "two"], "x86_64", None),  # vLLM reports the bad argument itself
+    (["-tp", "0"], "x86_64", None),
+])
+def test_serve_reserves_the_cores_plain_vllm_would(args: list[str], machine: str, reserved: int | None) -> None:
+    from kvtier.cli import serve_cmd
+
+    assert serve_cmd.reserved_cpus(args, machine) == reserved
+
+
+def test_serve_starts_vllm_with_plain_vllms_core_reservation_unless_one_is_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.cli import serve_cmd
+
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(serve_cmd, "check_vllm", lambda config: None)
+    monkeypatch.setattr(serve_cmd.os, "execve", lambda path, argv, env: started.append(env))
+    monkeypatch.setattr(serve_cmd.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(serve_cmd.RESERVED_CPU_ENV, raising=False)
+    main(["serve", "--", "--model", "/m", "-tp", "2"])
+    assert started[-1][serve_cmd.RESERVED_CPU_ENV] == "2"
+    monkeypatch.setenv(serve_cmd.RESERVED_CPU_ENV, "0")  # the operator's choice stands
+    main(["serve", "--", "--model", "/m", "-tp", "2"])
+    assert started[-1][serve_cmd.RESERVED_CPU_ENV] == "0"
 
 
 def test_serve_refuses_a_second_kv_transfer_config(capsys: pytest.CaptureFixture[str]) -> None:

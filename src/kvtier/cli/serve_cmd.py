@@ -15,6 +15,15 @@ Unless the arguments set one, it adds ``--shutdown-timeout 30`` so that stopping
 lets kvtier flush its queued writes. A vLLM release the connector was not tested with is
 refused here, before vLLM starts (``integrations.vllm.releases``; the config file's
 ``allow_untested_vllm: true`` lets it run).
+
+vLLM's CPU build binds its OpenMP threads to the machine's cores less some it reserves for the
+engine's other processes, and it reserves one core more per rank for an engine with any KV
+connector (room for NIXL's side channel in a prefill/decode split). kvtier needs no such core:
+its threads are few and run at low priority. Unless ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is set,
+``kvtier serve`` sets it to what vLLM reserves for the same engine without a connector
+(``reserved_cpus``), so a server with kvtier computes on the cores plain vLLM would. (Without
+it, a 2-core machine computed on both cores with kvtier and on one without, and a 32-core one
+on 30 with kvtier and on 31 without.) GPU builds never read the variable.
 """
 
 from __future__ import annotations
@@ -22,12 +31,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.config import read_settings_file
 
 SHUTDOWN_TIMEOUT_S = 30
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+_PER_RANK_ARCHES = ("x86_64", "amd64", "i386", "i686", "aarch64", "arm64", "riscv64")
+
+
+def reserved_cpus(vllm_args: Sequence[str], machine: str | None = None) -> int | None:
+    """The cores vLLM's CPU build reserves for an engine of these arguments without a KV
+    connector (``vllm.utils.ompmultiprocessing``, 0.32-0.34): one per local rank (tensor x
+    pipeline parallel) on x86, ARM and RISC-V, else one. None where the sizes cannot be read
+    (vLLM then reports the bad argument itself)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    try:
+        known, _ = parser.parse_known_args(list(vllm_args))
+    except SystemExit:  # a size that is not a number
+        return None
+    if known.tensor_parallel_size < 1 or known.pipeline_parallel_size < 1:
+        return None
+    arch = (machine or platform.machine()).lower()
+    return known.tensor_parallel_size * known.pipeline_parallel_size if arch in _PER_RANK_ARCHES else 1
+
+
+def engine_env(vllm_args: Sequence[str], environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set as the module docstring says
+    (unless it is set already, or the sizes cannot be read)."""
+    env = dict(environ)
+    if RESERVED_CPU_ENV not in env:
+        n = reserved_cpus(vllm_args)
+        if n is not None:
+            env[RESERVED_CPU_ENV] = str(n)
+    return env
 
 
 def installed_vllm() -> str | None:
@@ -61,10 +103,13 @@ def transfer_config(config_path: str | None) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
-def command(args: argparse.Namespace) -> list[str]:
+def _vllm_args(args: argparse.Namespace) -> list[str]:
     vllm_args = list(args.vllm_args)
-    if vllm_args and vllm_args[0] == "--":
-        vllm_args = vllm_args[1:]
+    return vllm_args[1:] if vllm_args and vllm_args[0] == "--" else vllm_args
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    vllm_args = _vllm_args(args)
     if any(a.startswith("--kv-transfer-config") for a in vllm_args):
         raise ValueError("--kv-transfer-config is set by kvtier serve; put kvtier settings in --config")
     if not any(a.startswith("--shutdown-timeout") for a in vllm_args):
@@ -101,5 +146,5 @@ def run(args: argparse.Namespace) -> int:
     except UntestedRelease as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, engine_env(_vllm_args(args), dict(os.environ)))
     return 1  # not reached
