@@ -41,10 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.configs import SERVED_NAME, kvtier_setting
+from kvtier.bench.configs import SERVED_NAME, SuiteSpec, kvtier_setting
 from kvtier.bench.engines import Process, free_port, group_pids
-from kvtier.bench.procstat import proc_cpu, thread_cpu
-from kvtier.bench.runner import engine_env, kvtier_serve_argv
+from kvtier.bench.procstat import group_thread_cpu, proc_cpu
+from kvtier.bench.profiles import PROFILE_FIELDS
+from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv
 from kvtier.probe.fs import drop_cache
 from kvtier.tiers.poolroot import scratch_pool
 
@@ -58,16 +59,10 @@ TOTAL = "\0total"  # group_cpu's key for the processes' own CPU seconds (no thre
 PHASES = {"plain": ("fresh", "new", "floor"), "kvtier": ("fresh", "new", "resume")}
 
 
-def server_args(model: Path, port: int, max_len: int) -> list[str]:
-    """What both servers get: the bench suite's engine flags (``kvtier.bench.runner.engine_argv``)."""
-    return ["--model", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--enforce-eager", "--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
-            "--enable-prefix-caching", "--seed", "0", "--shutdown-timeout", "30"]
-
-
 def server(kind: str, args: argparse.Namespace, model: Path, out: Path, tag: str, pool: str) -> tuple[Process, int]:
     port = free_port()
-    vllm_args = server_args(model, port, args.prefix_len + args.suffix_len + args.output_len + 64)
+    # Both servers get the bench suite's engine flags.
+    vllm_args = engine_argv(SuiteSpec(out), model, port, args.prefix_len + args.suffix_len + args.output_len + 64)
     if kind == "plain":
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_args]
     else:
@@ -86,15 +81,14 @@ def server(kind: str, args: argparse.Namespace, model: Path, out: Path, tag: str
 def group_cpu(proc: Process) -> dict[str, float]:
     """CPU seconds so far of each thread name in the server's process group (all its processes),
     and of the processes themselves (``TOTAL``: their threads that have exited included)."""
-    seconds: dict[str, float] = {TOTAL: 0.0}
-    if proc.proc is not None:
-        for pid in group_pids(proc.proc.pid):
-            for name, s in thread_cpu(pid).items():
-                seconds[name] = seconds.get(name, 0.0) + s
-            try:
-                seconds[TOTAL] += proc_cpu(pid)[1]
-            except OSError:  # it exited meanwhile
-                pass
+    if proc.proc is None:
+        return {TOTAL: 0.0}
+    seconds = {**group_thread_cpu(proc.proc.pid), TOTAL: 0.0}
+    for pid in group_pids(proc.proc.pid):
+        try:
+            seconds[TOTAL] += proc_cpu(pid)[1]
+        except OSError:  # it exited meanwhile
+            pass
     return seconds
 
 
@@ -158,10 +152,6 @@ def loaded_tokens(out: Path, tag: str) -> int:
     for f in (out / "work").glob(f"metrics-{tag}.*.json"):
         total += int(json.loads(f.read_text()).get("connector", {}).get("loaded_tokens", 0))
     return total
-
-
-PROFILE_FIELDS = ("answer_s", "lookup_s", "alloc_s", "queue_s", "load_s", "read_s", "copy_s", "report_s",
-                  "schedule_s", "wait_steps", "prefill_s", "total_s")
 
 
 def profile_medians(path: Path) -> dict[str, float]:

@@ -41,7 +41,7 @@ from typing import Any
 from kvtier.bench import procstat
 from kvtier.bench.client import LoadClient, Session, Target, Turn
 from kvtier.bench.configs import SuiteSpec
-from kvtier.bench.engines import Process, free_port, group_pids
+from kvtier.bench.engines import Process, free_port
 from kvtier.bench.model import ensure_model
 from kvtier.bench.runner import engine_argv, engine_env, kvtier_serve_argv
 from kvtier.bench.workload import TextMaker
@@ -78,10 +78,9 @@ def thread_cpu(pgid: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of every thread of the server's process group, summed by
     thread name (``kvtier-writer-0`` -> ``kvtier-writer``: a pool's threads count together)."""
     out: dict[str, float] = {}
-    for pid in group_pids(pgid):
-        for name, seconds in procstat.thread_cpu(pid).items():
-            group = re.sub(r"[_-]\d*$", "", name) if name.startswith("kvtier") else "engine"
-            out[group] = out.get(group, 0.0) + seconds
+    for name, seconds in procstat.group_thread_cpu(pgid).items():
+        group = re.sub(r"[_-]\d*$", "", name) if name.startswith("kvtier") else "engine"
+        out[group] = out.get(group, 0.0) + seconds
     return out
 
 

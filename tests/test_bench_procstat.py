@@ -55,6 +55,10 @@ def test_cpu_times_dir_usage_and_proc_cpu(tmp_path: Path) -> None:
     assert procstat.dir_usage(tmp_path) == (2, 8)
     state, seconds = procstat.proc_cpu(os.getpid(), threading.get_native_id())
     assert state == "R" and seconds >= 0
+    # This process's group holds at least this process: each thread name's seconds at least its own.
+    group = procstat.group_thread_cpu(os.getpgid(0))
+    own = procstat.thread_cpu(os.getpid())
+    assert own and all(group.get(name, -1.0) >= s - 0.05 for name, s in own.items())
 
 
 def test_group_sampler_and_stall_recorder_on_a_real_group(tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ from kvtier.bench.engines import Process, group_pids, proc_stats, process_role
 from kvtier.bench.trends import group_rss, group_series, process_summary, process_table, slope, thread_changes
 
 __all__ = [  # the sampling, and the trends of kvtier.bench.trends for ``procstat.process_summary`` and so on
-    "CpuTimes", "GroupSampler", "StallRecorder", "dir_usage", "group_rss", "group_series", "other_engines",
+    "CpuTimes", "GroupSampler", "StallRecorder", "dir_usage", "group_rss", "group_series", "group_thread_cpu",
+    "other_engines",
     "proc_cpu", "process_summary", "process_table", "sample_process", "slope", "thread_changes", "thread_cpu",
     "thread_names", "thread_stat",
 ]
@@ -144,6 +145,16 @@ def thread_cpu(pid: int) -> dict[str, float]:
         name = _thread_name(pid, t.id)
         if name is not None:
             seconds[name] = seconds.get(name, 0.0) + t.user_time + t.system_time
+    return seconds
+
+
+def group_thread_cpu(pgid: int) -> dict[str, float]:
+    """``thread_cpu`` summed over every process of process group ``pgid`` (a server and the
+    engine processes it spawned), by thread name."""
+    seconds: dict[str, float] = {}
+    for pid in group_pids(pgid):
+        for name, s in thread_cpu(pid).items():
+            seconds[name] = seconds.get(name, 0.0) + s
     return seconds
 
 

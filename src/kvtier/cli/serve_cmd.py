@@ -61,7 +61,7 @@ def reserved_cpus(vllm_args: Sequence[str], machine: str | None = None) -> int |
     return known.tensor_parallel_size * known.pipeline_parallel_size if arch in _PER_RANK_ARCHES else 1
 
 
-def engine_env(vllm_args: Sequence[str], environ: dict[str, str]) -> dict[str, str]:
+def server_env(vllm_args: Sequence[str], environ: dict[str, str]) -> dict[str, str]:
     """``environ`` with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` set as the module docstring says
     (unless it is set already, or the sizes cannot be read)."""
     env = dict(environ)
@@ -146,5 +146,5 @@ def run(args: argparse.Namespace) -> int:
     except UntestedRelease as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
-    os.execve(cmd[0], cmd, engine_env(_vllm_args(args), dict(os.environ)))
+    os.execve(cmd[0], cmd, server_env(_vllm_args(args), dict(os.environ)))
     return 1  # not reached
