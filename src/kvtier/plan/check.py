@@ -134,7 +134,9 @@ def fit_markdown(cal: Calibration) -> str:
              f"tokens/s ({lo:,.0f} to {f'{hi:,.0f}' if hi else 'unbounded'}), quadratic "
              f"{e['prefill_quadratic_s']:.2e} s/token², request overhead {e['request_overhead_s'] * 1e3:.1f} ms + "
              f"{e['frontend_per_token_s'] * 1e6:.2f} µs per prompt token in the front end, decode step "
-             f"{e['decode_step_s'] * 1e3:.1f} ms."]
+             f"{e['decode_step_s'] * 1e3:.1f} ms"
+             + (f"; front end and engine each at {share:.2f} of their speed while both work (shared cores)."
+                if (share := e.get("shared_rate", 1.0)) < 1 else ".")]
     for config, t in cal.fit["tiers"].items():
         band = t.get("latency_s_range")
         lines.append(f"- {config}: read {t['read_bytes_per_s'] / 1e9:.2f} GB/s ({t['rate_source']}), latency "

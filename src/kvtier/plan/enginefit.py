@@ -12,6 +12,9 @@ per-request formula separates; the level is replayed through the simulator inste
 bisected until the simulated TTFT p50 of the recompute requests equals the measured one
 (``replay.fit_scalar``). The quadratic term cannot be told from the queueing there and is 0.
 
+The front end and the engine share the machine's cores on vLLM's CPU build when the engine's
+threads take every core (``shared_rate``): a fact of the run's environment, not a fit.
+
 Whatever the data cannot determine is named in the notes with the value used instead: the fit
 never stops for want of a term. Its uncertainty is the rate's one-sigma range: from the standard
 error at concurrency 1, from the bootstrap band of the measured p50 above it.
@@ -41,6 +44,30 @@ from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig
 
 CPU_BLOCK_TOKENS = 128  # vLLM's CPU backend block size
 DEFAULT_OVERHEAD_S = 0.02  # HTTP, tokenizer and scheduling of one request when the run cannot tell
+
+
+def shared_rate(env: dict[str, Any]) -> tuple[float, str | None]:
+    """``EngineSpec.shared_rate`` of the run's engine, and a note when it is assumed.
+
+    On vLLM's CPU build (torch ``+cpu``) the engine runs one thread per core it computes on: all
+    ``cores`` less ``reserved_cpus`` (``VLLM_CPU_NUM_OF_RESERVED_CPU``; the bench suite's
+    default, 0, for runs that did not record it). With the front end's thread beside them, more
+    threads than cores want to run: the scheduler gives each ``cores / (threads + 1)`` of a core,
+    and the engine's team, which waits at every barrier for its slowest thread, goes no faster.
+    Elsewhere (a GPU engine) 1."""
+    if "+cpu" not in str(env.get("torch") or ""):
+        return 1.0, None
+    try:
+        cores = int(env["cores"])
+    except (KeyError, TypeError, ValueError):
+        return 1.0, "shared_rate: the run recorded no core count: 1 (the front end not slowing the engine)"
+    note = None
+    reserved = env.get("reserved_cpus")
+    if not isinstance(reserved, int) or isinstance(reserved, bool) or reserved < 0:
+        reserved, note = 0, "reserved_cpus: not recorded by the run: 0, the bench suite's default"
+    threads = cores - reserved if 0 < reserved < cores else cores  # vLLM reserves nothing when it would take all
+    rate = min(1.0, cores / (threads + 1))
+    return rate, note
 
 
 @dataclass
@@ -231,9 +258,11 @@ def fit_engine(records: Sequence[Record], env: dict[str, Any], model: ModelSpec,
     settings = env.get("settings") or {}
     kv_gib = settings.get("kv_cache_gib")
     decode, decode_context = _fit_decode(rows)
+    share, share_note = shared_rate(env)
+    notes += [share_note] if share_note else []
     base = EngineSpec(prefill_tokens_per_s=1.0, decode_step_s=decode, decode_context_s=decode_context,
                       max_batched_tokens=max_batched_tokens(settings), block_tokens=CPU_BLOCK_TOKENS,
-                      hbm_kv_bytes=int(float(kv_gib) * (1 << 30)) if kv_gib else None)
+                      hbm_kv_bytes=int(float(kv_gib) * (1 << 30)) if kv_gib else None, shared_rate=share)
     if concurrency == 1 or source != "recompute":
         if concurrency != 1:
             notes.append(f"concurrency {concurrency}: fitted per request, as at concurrency 1 (queueing not separated)")
@@ -253,7 +282,7 @@ def fit_engine(records: Sequence[Record], env: dict[str, Any], model: ModelSpec,
            "prefill_tokens_per_s": engine.prefill_tokens_per_s,
            "prefill_tokens_per_s_range": [round(b, 1) if b is not None else None for b in band],
            "prefill_quadratic_s": engine.prefill_quadratic_s, "decode_step_s": decode,
-           "decode_context_s": decode_context, "undetermined": more}
+           "decode_context_s": decode_context, "shared_rate": share, "undetermined": more}
     if concurrency == 1 or source != "recompute":
         t = np.array([float(r["ttft_s"]) for r in rows])
         pred = np.array([engine.request_overhead_s + engine.frontend_per_token_s * k + engine.prefill_s(k, 0)

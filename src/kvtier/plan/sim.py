@@ -27,7 +27,8 @@ lands on the same instance (where HBM, host and disk still hold its KV) with pro
 
 A request reaches the engine ``request_overhead_s`` (plus ``frontend_per_token_s`` per prompt
 token) after the front end (one process: HTTP, tokenizer) is free: requests sent together queue
-there first, one at a time.
+there first, one at a time. Where the front end shares the engine's cores (``shared_rate`` < 1:
+vLLM's CPU build), both slow down while both work (``plan.frontend``).
 
 What it ignores: network and tokenizer time other than ``request_overhead_s``, preemption,
 speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier order, GPU/CPU
@@ -48,6 +49,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from kvtier.keys import tail_step
+from kvtier.plan.frontend import FrontEnd
 from kvtier.plan.simresult import SimResult
 from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig, TierSpec
 from kvtier.plan.workload import Phase, Turn, Workload
@@ -169,7 +171,7 @@ class _Simulation:
         self.done: list[_Req] = []
         self.capacity_miss = 0
         self.now = 0.0
-        self.frontend_free_s = 0.0  # when the front end is done with the requests sent so far
+        self.front: FrontEnd[_Req] = FrontEnd(self.eng.shared_rate)
 
     def decode_cost(self, decoding: list[_Req]) -> float:
         # Decode attention reads every decoding request's whole context once per step.
@@ -294,7 +296,6 @@ class _PhaseRun:
         self.counted = any(t.measured for s in phase.sessions for t in s)
         self.busy = dict.fromkeys(sim.busy, 0.0)
         self.origin = sim.now
-        self.sent: list[tuple[float, int, _Req]] = []  # (sent at, seq, request): before the front end
         self.arrivals: list[tuple[float, int, _Req]] = []  # (at the engine, seq, request)
         self.seq = 0
         self.queue = deque(range(len(phase.sessions)))
@@ -312,22 +313,28 @@ class _PhaseRun:
             t = max(t, self.origin + (turn.arrival_s or 0.0))
         local = k == 0 or sim.instances == 1 or sim.rng.random() < 1.0 / sim.instances
         r = _Req(turn, k, worker if worker >= 0 else session_index, t, local)
-        heapq.heappush(self.sent, (t, self.seq, r))
+        eng = sim.eng
+        sim.front.send(t, self.seq, eng.request_overhead_s + eng.frontend_per_token_s * r.prompt, r)
         self.seq += 1
 
+    def engine_runs(self, work_s: float) -> None:
+        """The engine works ``work_s`` seconds (alone) from now; requests the front end finishes
+        meanwhile arrive at the engine."""
+        done: list[tuple[float, int, _Req]] = []
+        self.sim.now = self.sim.front.run_engine(self.sim.now, work_s, done)
+        for item in done:
+            heapq.heappush(self.arrivals, item)
+
     def front_end(self) -> None:
-        """Requests sent by now pass the one front end (vLLM's API server: HTTP, tokenizer), one
-        at a time in the order they were sent, and arrive at the engine."""
-        sim, eng = self.sim, self.sim.eng
-        while self.sent and self.sent[0][0] <= sim.now:
-            t, seq, r = heapq.heappop(self.sent)
-            sim.frontend_free_s = max(t, sim.frontend_free_s) + eng.request_overhead_s \
-                + eng.frontend_per_token_s * r.prompt
-            heapq.heappush(self.arrivals, (sim.frontend_free_s, seq, r))
+        """The front end works, alone, up to now (the engine idle or between steps)."""
+        done: list[tuple[float, int, _Req]] = []
+        self.sim.front.advance(self.sim.now, 1.0, done)
+        for item in done:
+            heapq.heappush(self.arrivals, item)
 
     def next_event(self) -> float:
-        """When the next request is sent or arrives (inf: none left)."""
-        return min(self.arrivals[0][0] if self.arrivals else math.inf, self.sent[0][0] if self.sent else math.inf)
+        """When the next request arrives at the engine, with the engine idle (inf: none left)."""
+        return min(self.arrivals[0][0] if self.arrivals else math.inf, self.sim.front.next_done())
 
     def finish(self, r: _Req, t: float) -> None:
         """``r`` produced its last token: its KV stays in HBM, its client goes on."""
@@ -360,7 +367,7 @@ class _PhaseRun:
             while self.arrivals and self.arrivals[0][0] <= sim.now:
                 self.waiting.append(heapq.heappop(self.arrivals)[2])
             if not self.waiting and not self.decoding:
-                if not self.arrivals and not self.sent:
+                if not self.arrivals and self.sim.front.next_done() == math.inf:
                     break
                 sim.now = self.next_event()
             elif not self.waiting:
@@ -390,7 +397,7 @@ class _PhaseRun:
         upcoming = self.next_event()
         if upcoming < math.inf and dt > 0:
             k = max(1, min(k, math.ceil((upcoming - sim.now) / dt)))
-        sim.now += k * dt
+        self.engine_runs(k * dt)
         self.busy["overhead"] += k * eng.step_overhead_s
         self.busy["decode"] += k * (dt - eng.step_overhead_s)
         self._advance(self.decoding, k)
@@ -424,7 +431,7 @@ class _PhaseRun:
         for i, nbytes in step_bytes.items():
             sim.bytes_read[sim.tiers[i].spec.name] += nbytes if self.counted else 0
         decode = sim.decode_cost(decoding) if decoding else 0.0
-        sim.now += eng.step_overhead_s + load + prefill + decode
+        self.engine_runs(eng.step_overhead_s + load + prefill + decode)
         self.busy["overhead"] += eng.step_overhead_s
         self.busy["load"] += load
         self.busy["prefill"] += prefill

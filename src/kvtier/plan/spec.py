@@ -132,6 +132,10 @@ class EngineSpec:
     blocks after its last full chunk, in steps of ``keys.tail_step`` tokens, as one *tail* whose
     read costs a full chunk's bytes; off, the tiers hold whole chunks only (LMCache, SGLang).
     ``hbm_kv_bytes`` is HBM (or CPU KV space) for KV over all ranks; ``None`` means unlimited.
+    ``shared_rate`` (0-1] is how fast the engine and the front end each work while both have work,
+    against alone: 1 where the front end has cores of its own (beside a GPU engine), less where
+    they share the engine's cores (vLLM's CPU build with its threads on every core:
+    ``plan.enginefit.shared_rate``; ``plan.frontend``).
     """
 
     prefill_tokens_per_s: float
@@ -147,9 +151,13 @@ class EngineSpec:
     request_overhead_s: float = 0.0
     tail_chunks: bool = True
     frontend_per_token_s: float = 0.0
+    shared_rate: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("engine", "prefill_tokens_per_s", self.prefill_tokens_per_s)
+        if isinstance(self.shared_rate, bool) or not isinstance(self.shared_rate, int | float) \
+                or not 0 < self.shared_rate <= 1:
+            raise ValueError(f"engine.shared_rate must be in (0, 1], got {self.shared_rate!r}")
         for name in ("decode_step_s", "prefill_quadratic_s", "step_overhead_s", "decode_per_seq_s",
                      "decode_context_s", "request_overhead_s", "frontend_per_token_s"):
             _positive("engine", name, getattr(self, name), zero_ok=True)
