@@ -12,6 +12,7 @@ from tests.test_plan_cli import fake_bench
 
 from kvtier.cli.main import main
 from kvtier.plan.calibrate import calibrate
+from kvtier.plan.enginefit import shared_rate
 from kvtier.plan.replay import fit_scalar, median_band
 
 
@@ -92,3 +93,38 @@ def test_a_tier_faster_than_its_measured_rate_gets_the_rate_its_resumes_show(tmp
     # The resumes read 8 bytes per cached token at 1 MB/s plus 2 ms: a bit under 1 MB/s in all.
     assert 0.8e6 < disk.read_bytes_per_s < 1e6
     assert any(n.startswith("local-disk: read faster") for n in cal.notes)
+
+
+def test_resumes_faster_than_the_engine_alone_keep_the_measured_rate(tmp_path: Path) -> None:
+    # Every local-disk resume took 1 ms: less than the engine's own figures (its overhead, the
+    # suffix's prefill) allow. No read rate explains that; a median over the few resumes that
+    # leave time would have picked a rate slower than the one measured.
+    folder = fake_bench(tmp_path)
+    rows = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    rows = [{**r, "ttft_s": 0.001} if r["config"] == "local-disk" and r.get("cached_tokens") else r for r in rows]
+    (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cal = calibrate(folder)
+    disk = cal.tiers["local-disk"]
+    assert disk.latency_s == 0.0
+    assert disk.read_bytes_per_s == pytest.approx(1e6)  # the probe's kvtier read figure (1 MB/s), kept
+    assert any(n.startswith("local-disk: its resumes are faster than the engine") for n in cal.notes)
+
+
+def test_the_front_end_shares_the_cores_of_a_cpu_engine_that_takes_them_all(tmp_path: Path) -> None:
+    cpu = {"torch": "2.13.0+cpu", "cores": 2}
+    # Two engine threads and the front end's on two cores: each gets two thirds of one.
+    assert shared_rate({**cpu, "reserved_cpus": 0}) == (pytest.approx(2 / 3), None)
+    assert shared_rate({**cpu, "cores": 32, "reserved_cpus": 0})[0] == pytest.approx(32 / 33)
+    # A core reserved: the front end runs beside the engine's one thread.
+    assert shared_rate({**cpu, "reserved_cpus": 1}) == (1.0, None)
+    # vLLM reserves nothing when the reservation would take every core.
+    assert shared_rate({**cpu, "reserved_cpus": 2})[0] == pytest.approx(2 / 3)
+    rate, note = shared_rate(cpu)  # a run from before the suite recorded it: the suite's default, said so
+    assert rate == pytest.approx(2 / 3) and note is not None and "reserved_cpus" in note
+    assert shared_rate({"torch": "2.9.0+cu128", "cores": 2}) == (1.0, None)  # a GPU engine
+    folder = fake_bench(tmp_path)
+    env = json.loads((folder / "env.json").read_text())
+    (folder / "env.json").write_text(json.dumps({**env, **cpu, "reserved_cpus": 0}))
+    cal = calibrate(folder)
+    assert cal.engine.shared_rate == pytest.approx(2 / 3)
+    assert cal.fit["engine"]["shared_rate"] == pytest.approx(2 / 3)

@@ -23,6 +23,7 @@ What the run cannot determine is named in ``Calibration.notes`` with the value u
 from __future__ import annotations
 
 import json
+import math
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -165,7 +166,8 @@ def _residual_tier(spec: TierSpec, rows: Sequence[Record], model: ModelSpec, eng
     """At concurrency 1: the latency is the median of what each resume leaves after the front
     end, the suffix's prefill and its bytes at the tier's rate. Where that is negative (the
     tier read faster than its measured rate says: the metrics sum the read threads' seconds),
-    the latency is 0 and the rate the one that leaves the median resume nothing."""
+    the latency is 0 and the rate the one that leaves the median resume nothing; where even an
+    unbounded rate leaves the median resume less than the engine's figures, the measured rate."""
     residuals, reads = [], []
     for r in rows:
         cached, prompt = int(r["cached_tokens"]), int(r["prompt_tokens"])
@@ -181,10 +183,13 @@ def _residual_tier(spec: TierSpec, rows: Sequence[Record], model: ModelSpec, eng
     fit["latency_s_range"] = [round(max(0.0, b), 4) for b in band]
     if latency >= 0:
         return replace(spec, latency_s=latency), fit
-    rates = [nbytes / left for nbytes, left in reads if left > 0]
-    if not rates:
+    # A resume that took less than the engine's figures alone (front end, suffix prefill) would
+    # need an unbounded rate: it counts so in the median, not left out (which biases it low).
+    rate = float(np.median([nbytes / left if left > 0 else math.inf for nbytes, left in reads]))
+    if not math.isfinite(rate) or rate <= spec.read_bytes_per_s:
+        fit["note"] = ("its resumes are faster than the engine's fitted figures alone allow: latency 0 at the "
+                       f"measured {spec.read_bytes_per_s / 1e9:.2f} GB/s, and its cells predicted high")
         return replace(spec, latency_s=0.0), fit
-    rate = float(np.median(rates))
     fit["note"] = f"read faster than its measured {spec.read_bytes_per_s / 1e9:.2f} GB/s: read rate fitted " \
                   f"({rate / 1e9:.2f} GB/s), latency 0"
     return replace(spec, latency_s=0.0, read_bytes_per_s=rate), fit
