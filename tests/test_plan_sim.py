@@ -174,6 +174,24 @@ def test_a_front_end_on_the_engines_cores_slows_it_while_both_work() -> None:
     assert ttfts(1.0) == pytest.approx([1.5, 2.5])
 
 
+def test_decode_steps_leave_the_front_end_its_pace() -> None:
+    # Session a decodes 40 tokens (0.1 s a step) from about 0.5 s; b arrives at 1 s and spends
+    # 0.5 s in the front end meanwhile. Scheduling and a decode token run on one thread, so b's
+    # front end keeps its full pace on the other core: b reaches the engine at 1.5 s whether
+    # the cores are shared or not, and has its token one step (plus its prefill) later.
+    eng = EngineSpec(prefill_tokens_per_s=100.0, decode_step_s=0.1, max_batched_tokens=100,
+                     request_overhead_s=0.5)
+    sessions = ((Turn("a", 1, 40, arrival_s=0.0),), (Turn("b", 1, 1, arrival_s=1.0),))
+
+    def ttft_b(rate: float) -> float:
+        r = simulate(MODEL, HardwareSpec(replace(eng, shared_rate=rate)), PlanConfig("recompute"),
+                     (Phase(sessions),))
+        return float(r.ttft_s.max())
+
+    assert ttft_b(0.5) == pytest.approx(ttft_b(1.0))
+    assert 0.5 < ttft_b(0.5) < 0.75
+
+
 def test_deterministic() -> None:
     hw = HardwareSpec(ENGINE, (tier(shared=True),), instances=3)
     config = PlanConfig("x3", ("pool",), 3)

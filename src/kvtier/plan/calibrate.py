@@ -23,8 +23,8 @@ What the run cannot determine is named in ``Calibration.notes`` with the value u
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path

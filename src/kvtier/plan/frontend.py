@@ -8,9 +8,10 @@ to the engine when it is done with it (``EngineSpec``).
 Where it shares the engine's cores (vLLM's CPU build with the engine's threads on every core),
 neither has the machine to itself while both have work: each then progresses at ``shared_rate``
 of its speed alone (processor sharing), and works at full speed while the other idles. The
-engine's work is handed over as whole jobs (a step, or a run of decode steps: ``run_engine``),
-which returns when the job ends with the front end's progress meanwhile; ``shared_rate = 1``
-(the front end on cores of its own, as beside a GPU engine) leaves both at full speed.
+engine's work is handed over as whole jobs (a step's prefill and loads, or its scheduling and
+decode: ``run_engine``), which returns when the job ends with the front end's progress
+meanwhile; ``shared_rate = 1`` (the front end on cores of its own, as beside a GPU engine)
+leaves both at full speed.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ class FrontEnd(Generic[R]):
             t = finish
         self.t = until
 
-    def run_engine(self, start: float, work_s: float, done: list[tuple[float, int, R]]) -> float:
+    def run_engine(self, start: float, work_s: float, done: list[tuple[float, int, R]], *,
+                   shared: bool = True) -> float:
         """An engine job of ``work_s`` seconds (alone) from ``start`` (at or after the clock):
         when it ends, with the front end advanced to then; both at ``shared_rate`` while both
-        have work."""
-        s = self.shared_rate
+        have work. ``shared=False``: a job on one thread (the scheduler's step, a small model's
+        decode), which leaves the front end a core of its own: both at full speed."""
+        s = self.shared_rate if shared else 1.0
         if s >= 1:  # apart: the front end at full speed throughout
             self.advance(start + work_s, 1.0, done)
             return start + work_s

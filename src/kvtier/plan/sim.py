@@ -317,11 +317,11 @@ class _PhaseRun:
         sim.front.send(t, self.seq, eng.request_overhead_s + eng.frontend_per_token_s * r.prompt, r)
         self.seq += 1
 
-    def engine_runs(self, work_s: float) -> None:
+    def engine_runs(self, work_s: float, *, shared: bool = True) -> None:
         """The engine works ``work_s`` seconds (alone) from now; requests the front end finishes
-        meanwhile arrive at the engine."""
+        meanwhile arrive at the engine. ``shared``: the work takes every core (``FrontEnd``)."""
         done: list[tuple[float, int, _Req]] = []
-        self.sim.now = self.sim.front.run_engine(self.sim.now, work_s, done)
+        self.sim.now = self.sim.front.run_engine(self.sim.now, work_s, done, shared=shared)
         for item in done:
             heapq.heappush(self.arrivals, item)
 
@@ -397,7 +397,7 @@ class _PhaseRun:
         upcoming = self.next_event()
         if upcoming < math.inf and dt > 0:
             k = max(1, min(k, math.ceil((upcoming - sim.now) / dt)))
-        self.engine_runs(k * dt)
+        self.engine_runs(k * dt, shared=False)  # scheduling and a decode token: one thread
         self.busy["overhead"] += k * eng.step_overhead_s
         self.busy["decode"] += k * (dt - eng.step_overhead_s)
         self._advance(self.decoding, k)
@@ -431,7 +431,12 @@ class _PhaseRun:
         for i, nbytes in step_bytes.items():
             sim.bytes_read[sim.tiers[i].spec.name] += nbytes if self.counted else 0
         decode = sim.decode_cost(decoding) if decoding else 0.0
-        self.engine_runs(eng.step_overhead_s + load + prefill + decode)
+        # Prefill runs on the engine's thread team and a load's reads and copies on the
+        # connector's threads, so both take the cores the front end tokenizes on; scheduling
+        # and a decode token run on one thread (a decode step beside the front end leaves its
+        # pace unchanged in the bench runs: docs/planner.md, "Where the misses come from").
+        self.engine_runs(eng.step_overhead_s + decode, shared=False)
+        self.engine_runs(load + prefill)
         self.busy["overhead"] += eng.step_overhead_s
         self.busy["load"] += load
         self.busy["prefill"] += prefill
