@@ -11,7 +11,7 @@ import pytest
 from tests.test_plan_cli import fake_bench
 
 from kvtier.cli.main import main
-from kvtier.plan.calibrate import calibrate
+from kvtier.plan.calibrate import calibrate, load_mode
 from kvtier.plan.enginefit import shared_rate
 from kvtier.plan.replay import fit_scalar, median_band
 
@@ -128,3 +128,14 @@ def test_the_front_end_shares_the_cores_of_a_cpu_engine_that_takes_them_all(tmp_
     cal = calibrate(folder)
     assert cal.engine.shared_rate == pytest.approx(2 / 3)
     assert cal.fit["engine"]["shared_rate"] == pytest.approx(2 / 3)
+
+
+def test_each_configuration_loads_as_its_connector_did() -> None:
+    # kvtier's connector by its load_mode (auto unless the run set it), every other connector in
+    # the step: what the simulator replays each configuration with.
+    default = {"settings": {"kvtier_settings": {}}}
+    synced = {"settings": {"kvtier_settings": {"load_mode": "sync"}}}
+    assert load_mode("local-disk", default) == "auto"
+    assert load_mode("shared-pool", {}) == "auto"
+    assert load_mode("shared-pool", synced) == "sync"
+    assert load_mode("example-connector", default) == "sync"

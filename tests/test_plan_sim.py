@@ -192,6 +192,34 @@ def test_decode_steps_leave_the_front_end_its_pace() -> None:
     assert 0.5 < ttft_b(0.5) < 0.75
 
 
+def test_background_loads_run_one_after_another_while_the_engine_goes_on() -> None:
+    # Two resumes sent together, 8,192 bytes each at 1,000 B/s. In the step (sync) both wait for
+    # both reads and prefill together: 16.384 + 2 x 76 tokens at 100 tokens/s. In the background
+    # (async) the loader reads one, then the other; each is reported by the step after its read
+    # and prefilled (0.76 s) in the next: 8.192 + 0.76, and 16.384 + 0.76.
+    def ttfts(mode: str) -> list[float]:
+        hw = HardwareSpec(replace(ENGINE, load_mode=mode), (tier(),))
+        r = simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024, 1024], 2), arrival_stagger_s=0.0)
+        return sorted(r.ttft_s.tolist())
+
+    assert ttfts("sync") == pytest.approx([17.904, 17.904])
+    assert ttfts("async") == pytest.approx([8.952, 17.144])
+
+
+@pytest.mark.parametrize(("read", "background"), [(1e6, False), (1000.0, True)])
+def test_auto_loads_in_the_step_of_an_idle_engine_only_when_the_load_is_short(read: float, background: bool) -> None:
+    # Alone (an idle engine), ``auto`` loads in the step when the read is predicted under 50 ms
+    # (8 ms here): the TTFT of ``sync``. A longer one (8.2 s) goes to the background, and its
+    # request pays one step more (0.1 s): the step that reports the read.
+    eng = replace(ENGINE, step_overhead_s=0.1)
+
+    def ttft(mode: str) -> float:
+        hw = HardwareSpec(replace(eng, load_mode=mode), (tier(read=read),))
+        return float(simulate(MODEL, hw, PlanConfig("pool", ("pool",)), resume([1024], 1)).ttft_s[0])
+
+    assert ttft("auto") == pytest.approx(ttft("sync") + (0.1 if background else 0.0))
+
+
 def test_deterministic() -> None:
     hw = HardwareSpec(ENGINE, (tier(shared=True),), instances=3)
     config = PlanConfig("x3", ("pool",), 3)
@@ -210,6 +238,8 @@ def test_bad_figures_are_rejected() -> None:
     for rate in (0.0, 1.5, True):
         with pytest.raises(ValueError, match="shared_rate"):
             EngineSpec(prefill_tokens_per_s=1.0, decode_step_s=0.01, shared_rate=rate)
+    with pytest.raises(ValueError, match="load_mode"):
+        EngineSpec(prefill_tokens_per_s=1.0, decode_step_s=0.01, load_mode="later")
 
 
 def test_the_front_end_serves_open_loop_requests_in_the_order_they_were_sent() -> None:

@@ -21,6 +21,15 @@ EWMA_WEIGHT = 0.3
 """The weight of a new measurement in a rate: rates drift with load and the page cache, and one
 slow read (a cold file, a busy neighbour) must not flip every later decision."""
 
+SYNC_IDLE_MAX_S = 0.05
+"""With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine
+(predicted from measured read rates: until a tier was read from, by a load or by the lookup's
+timed first read, the vLLM connector's ``rateprobe.py``, its loads run in the background).
+A background load costs its request two engine steps after the read (one reports it, the
+next prefills it: measured 2-3 ms idle on the tiny model, a decode step each when busy); a
+load in the step costs nothing when nothing else runs, but holds up a request that arrives
+during it by up to its length. The planner's simulator decides by it too."""
+
 
 @dataclass(frozen=True)
 class Read:

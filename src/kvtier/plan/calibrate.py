@@ -35,7 +35,7 @@ import numpy as np
 from kvtier.config import parse_bytes
 from kvtier.plan.enginefit import fit_engine, replay_p50
 from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, median_band, resumed, single
-from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
+from kvtier.plan.spec import LOAD_MODES, EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
 from kvtier.tiers.kinds import KINDS
 
 log = logging.getLogger(__name__)
@@ -128,14 +128,23 @@ def ran_tails(config: str, configs: Sequence[Record], env: dict[str, Any]) -> bo
                for doc in (entry.get("kvtier_metrics") or {}).values())
 
 
+def load_mode(config: str, env: dict[str, Any]) -> str:
+    """How ``config`` loaded: kvtier's connector by its ``load_mode`` (default ``auto``), every
+    other connector in the step."""
+    if config not in CONFIG_TIERS:
+        return "sync"
+    mode = ((env.get("settings") or {}).get("kvtier_settings") or {}).get("load_mode", "auto")
+    return mode if mode in LOAD_MODES else "auto"
+
+
 def config_hardware(engine: EngineSpec, tier: TierSpec | None, config: str, configs: Sequence[Record],
                     env: dict[str, Any]) -> tuple[HardwareSpec, PlanConfig]:
     """What the simulator runs for one configuration of the run: its engine with the chunk size
-    its connector keys by and the tails it kept, and its tier (none for recompute)."""
+    its connector keys by, the tails it kept and how it loaded, and its tier (none for recompute)."""
     hw = HardwareSpec(engine, (tier,) if tier is not None else ())
     if config in CONNECTOR_CHUNK_TOKENS:
         hw = with_engine(hw, chunk_tokens=CONNECTOR_CHUNK_TOKENS[config])
-    hw = with_engine(hw, tail_chunks=ran_tails(config, configs, env))
+    hw = with_engine(hw, tail_chunks=ran_tails(config, configs, env), load_mode=load_mode(config, env))
     return hw, PlanConfig(config, tuple(t.name for t in hw.tiers))
 
 

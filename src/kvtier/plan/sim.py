@@ -10,16 +10,14 @@ read costs a full chunk's bytes, as its file holds one),
 and the load-or-recompute decision of ``kvtier.policy``, the rule the connector's scheduler
 decides by: load only if ``bytes / tier bandwidth + latency`` is less than prefilling those
 tokens (the connector's latency term is 0: the rates its workers measure already include it).
-Loads are modelled as synchronous in the step that admits the request (the connector's
-``load_mode: sync``; its default, ``auto``, lets the other requests' steps run during a load on a busy engine,
-so the model overstates what a load costs its neighbours), so the step lasts
-``overhead + sum over tiers (bytes read in this step / bandwidth + latency) + prefill + decode``:
-read-backs admitted together share the tier's bandwidth, and every request in a step waits for
-the whole step. Runs of decode-only steps are advanced in bulk up to the next event, which keeps
-10,000 sessions to seconds. Newly prefilled full chunks (with ``tail_chunks``, and the prompt's
-tail) are written to every tier of the configuration; lower tiers write in the background
-through a bounded queue, and a write that would wait more than ``write_queue_s`` is dropped
-(counted), as the connector's writer drops it.
+Loads follow the connector's ``load_mode`` (``EngineSpec``): in the step that admits the request,
+which then lasts ``overhead + sum over tiers (bytes read / bandwidth + latency) + prefill +
+decode`` (read-backs admitted together share a tier's bandwidth); or in the background, one
+after another, while the engine steps the others. Runs of decode-only steps are advanced in bulk
+up to the next event, which keeps 10,000 sessions to seconds. Newly prefilled full chunks (with
+``tail_chunks``, and the prompt's tail) are written to every tier of the configuration; lower
+tiers write in the background through a bounded queue, and a write that would wait more than
+``write_queue_s`` is dropped (counted), as the connector's writer drops it (``plan.tiermodel``).
 
 With ``instances = N`` one instance is simulated and the others are assumed to be its mirror
 image: a shared tier gives it ``1/N`` of its bandwidth and capacity, and a session's later turn
@@ -31,12 +29,11 @@ there first, one at a time. Where the front end shares the engine's cores (``sha
 vLLM's CPU build), both slow down while both work (``plan.frontend``).
 
 What it ignores: network and tokenizer time other than ``request_overhead_s``, preemption,
-speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier order, GPU/CPU
-copy time separate from the tier read, and any overlap of loads with compute.
+speculative decoding, partial-chunk writes, per-chunk tier mixes within one tier order, and GPU/CPU
+copy time separate from the tier read.
 
-Over 400 lines on purpose: the engine model, its steps and the phases are one simulation; its
-state is ``_Simulation`` (across phases) and ``_PhaseRun`` (one phase); what it returns is
-``simresult.SimResult``.
+The engine model, its steps and the phases are one simulation; its state is ``_Simulation``
+(across phases) and ``_PhaseRun`` (one phase); what it returns is ``simresult.SimResult``.
 """
 
 from __future__ import annotations
@@ -51,67 +48,16 @@ import numpy as np
 from kvtier.keys import tail_step
 from kvtier.plan.frontend import FrontEnd
 from kvtier.plan.simresult import SimResult
-from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig, TierSpec
+from kvtier.plan.spec import HardwareSpec, ModelSpec, PlanConfig
+from kvtier.plan.tiermodel import LRUTier
 from kvtier.plan.workload import Phase, Turn, Workload
-from kvtier.policy import Read, pays_off, predicted_load_s
-
-
-class _LRUTier:
-    """Per-session prefixes (tokens) in one tier, LRU within ``capacity_bytes``."""
-
-    def __init__(self, spec: TierSpec, instances: int, bytes_per_token: int, lost: dict[str, int]) -> None:
-        share = instances if spec.shared else 1
-        self.spec = spec
-        self.capacity_bytes = spec.capacity_bytes // share
-        self.read_bytes_per_s = spec.read_bytes_per_s / share
-        self.write_bytes_per_s = spec.write_bytes_per_s / share
-        self.bytes_per_token = bytes_per_token
-        self.entries: OrderedDict[str, int] = OrderedDict()
-        self.used_bytes = 0
-        self.write_free_at = 0.0
-        self.evictions = 0
-        self.dropped_writes = 0
-        self.lost = lost  # session -> tokens it had before an eviction or a dropped write
-
-    def get(self, session: str) -> int:
-        tokens = self.entries.get(session, 0)
-        if tokens:
-            self.entries.move_to_end(session)
-        return tokens
-
-    def put(self, session: str, tokens: int, now: float) -> None:
-        old = self.entries.get(session, 0)
-        if tokens <= old:
-            return
-        nbytes = tokens * self.bytes_per_token
-        if nbytes > self.capacity_bytes:
-            return
-        start = max(now, self.write_free_at)
-        if start - now > self.spec.write_queue_s:
-            self.dropped_writes += 1
-            self.lost[session] = max(self.lost.get(session, 0), tokens)
-            return
-        self.write_free_at = start + (tokens - old) * self.bytes_per_token / self.write_bytes_per_s
-        if old:
-            del self.entries[session]
-            self.used_bytes -= old * self.bytes_per_token
-        while self.entries and self.used_bytes + nbytes > self.capacity_bytes:
-            victim, evicted = self.entries.popitem(last=False)
-            self.used_bytes -= evicted * self.bytes_per_token
-            self.lost[victim] = max(self.lost.get(victim, 0), evicted)
-            self.evictions += 1
-        self.entries[session] = tokens
-        self.used_bytes += nbytes
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.used_bytes = 0
-        self.write_free_at = 0.0
+from kvtier.policy import SYNC_IDLE_MAX_S, Read, pays_off, predicted_load_s
 
 
 class _Req:
-    __slots__ = ("admitted", "client_s", "computed", "end_s", "first_s", "hbm_tokens", "load_s", "loaded",
-                 "local", "measured", "output", "prompt", "remaining", "session", "turn", "wanted_tokens", "worker")
+    __slots__ = ("admitted", "client_s", "computed", "end_s", "first_s", "hbm_tokens", "load_s", "load_state",
+                 "loaded", "local", "measured", "output", "prompt", "ready_s", "remaining", "session", "turn",
+                 "wanted_tokens", "worker")
 
     def __init__(self, turn: Turn, index: int, worker: int, client_s: float, local: bool) -> None:
         self.session = turn.session
@@ -127,6 +73,8 @@ class _Req:
         self.hbm_tokens = 0
         self.loaded: dict[str, int] = {}
         self.load_s = 0.0
+        self.load_state = 0  # a background load: 1 reading (until ready_s), 2 reported (schedulable)
+        self.ready_s = 0.0
         self.wanted_tokens = 0
         self.first_s = math.nan
         self.end_s = math.nan
@@ -158,7 +106,7 @@ class _Simulation:
         self.arrival_stagger_s = arrival_stagger_s
         self.lost: dict[str, int] = {}  # prefixes lost to tier capacity (evictions, dropped writes)
         self.lost_hbm: dict[str, int] = {}  # prefixes evicted from the engine's KV (a restart forgets these)
-        self.tiers = [_LRUTier(hw.tier(name), self.instances, self.bpt, self.lost) for name in config.tiers]
+        self.tiers = [LRUTier(hw.tier(name), self.instances, self.bpt, self.lost) for name in config.tiers]
         self.kv_cap = math.inf if self.eng.hbm_kv_bytes is None else self.eng.hbm_kv_bytes // self.bpt
         self.chunk, self.block = self.eng.chunk_tokens, self.eng.block_tokens
         self.tail = tail_step(self.chunk, self.block) if self.eng.tail_chunks else 0
@@ -172,6 +120,9 @@ class _Simulation:
         self.capacity_miss = 0
         self.now = 0.0
         self.front: FrontEnd[_Req] = FrontEnd(self.eng.shared_rate)
+        self.idle = True  # the last step scheduled no tokens (the connector's test for loading in the step)
+        self.loader_free = 0.0  # when the background loader is done with the loads it has
+        self.load_cpu_s = 0.0  # background loads' CPU not yet taken from the engine's steps (shared cores)
 
     def decode_cost(self, decoding: list[_Req]) -> float:
         # Decode attention reads every decoding request's whole context once per step.
@@ -185,8 +136,10 @@ class _Simulation:
             self.hbm_cached -= tokens
             self.lost_hbm[victim] = max(self.lost_hbm.get(victim, 0), tokens)
 
-    def admit(self, r: _Req, step_bytes: dict[int, int]) -> None:
-        """Give ``r`` its engine prefix-cache hit, then the tiers' hit if loading it pays off."""
+    def admit(self, r: _Req) -> dict[int, int]:
+        """Give ``r`` its engine prefix-cache hit, then the tiers' hit if loading it pays off:
+        the bytes to read, by tier index (empty: nothing to load)."""
+        step_bytes: dict[int, int] = {}
         r.admitted = True
         block, chunk = self.block, self.chunk
         cap = (r.prompt - 1) // block * block
@@ -215,6 +168,16 @@ class _Simulation:
             self.capacity_miss += prior - max(cover, hbm_hit)
         r.hbm_tokens = hbm_hit
         r.computed = hbm_hit + loaded
+        return step_bytes
+
+    def load_s(self, nbytes: dict[int, int]) -> float:
+        return predicted_load_s(Read(b, self.tiers[i].read_bytes_per_s, self.tiers[i].spec.latency_s)
+                                for i, b in nbytes.items())
+
+    def in_background(self, load_s: float) -> bool:
+        """The connector's ``load_mode`` decision (``kvtier.integrations.vllm.decide``)."""
+        mode = self.eng.load_mode
+        return mode == "async" or (mode == "auto" and (not self.idle or load_s > SYNC_IDLE_MAX_S))
 
     def _usable(self, held: int, prompt: int) -> int:
         """Of the ``held`` tokens a tier stored for a session, those a lookup for ``prompt`` finds:
@@ -369,7 +332,7 @@ class _PhaseRun:
             if not self.waiting and not self.decoding:
                 if not self.arrivals and self.sim.front.next_done() == math.inf:
                     break
-                sim.now = self.next_event()
+                sim.now, sim.idle = self.next_event(), True
             elif not self.waiting:
                 self.decode_steps()
             else:
@@ -401,42 +364,60 @@ class _PhaseRun:
         self.busy["overhead"] += k * eng.step_overhead_s
         self.busy["decode"] += k * (dt - eng.step_overhead_s)
         self._advance(self.decoding, k)
+        sim.idle = not (self.waiting or self.decoding)
 
     def step(self) -> None:
         """One engine step with waiting requests: admit (and load) into the token budget, prefill,
-        decode one token for every decoding request."""
+        decode one token for every decoding request. A request whose load runs in the background
+        (``EngineSpec.load_mode``) takes no budget until the step after the one that reports it."""
         sim, eng = self.sim, self.sim.eng
         decoding = self.decoding
         budget = eng.max_batched_tokens - len(decoding)
         step_bytes: dict[int, int] = {}
         admitted: list[_Req] = []
+        prefilled: list[_Req] = []
         prefill = 0.0
-        completed = 0
+        reported = False
         for r in self.waiting:
             if budget <= 0:
                 break
+            if r.load_state == 1:  # still reading, or read and reported by this step
+                if r.ready_s <= sim.now:
+                    r.load_state, reported = 2, True
+                continue
             if not r.admitted:
                 if sim.hbm_running > 0 and sim.hbm_running + r.prompt + r.output > sim.kv_cap:
                     break
-                sim.admit(r, step_bytes)
+                own = sim.admit(r)
+                if own and sim.in_background(sim.load_s(own)):
+                    self._load_in_background(r, own)
+                    continue
+                for i, nbytes in own.items():
+                    step_bytes[i] = step_bytes.get(i, 0) + nbytes
                 admitted.append(r)
+            r.load_state = 0
             n = min(r.prompt - r.computed, budget)
             prefill += eng.prefill_s(n, r.computed)
             r.computed += n
             budget -= n
             if r.computed >= r.prompt:
-                completed += 1
-        load = predicted_load_s(Read(nbytes, sim.tiers[i].read_bytes_per_s, sim.tiers[i].spec.latency_s)
-                                for i, nbytes in step_bytes.items())
+                prefilled.append(r)
+        ready = min((r.ready_s for r in self.waiting if r.load_state == 1), default=math.inf)
+        if not (prefilled or prefill or decoding or reported) and ready < math.inf:  # only loads to wait for
+            sim.now, sim.idle = max(sim.now, min(ready, self.next_event())), True
+            return
+        load = sim.load_s(step_bytes)
         for i, nbytes in step_bytes.items():
             sim.bytes_read[sim.tiers[i].spec.name] += nbytes if self.counted else 0
         decode = sim.decode_cost(decoding) if decoding else 0.0
         # Prefill runs on the engine's thread team and a load's reads and copies on the
         # connector's threads, so both take the cores the front end tokenizes on; scheduling
         # and a decode token run on one thread (a decode step beside the front end leaves its
-        # pace unchanged in the bench runs: docs/planner.md, "Where the misses come from").
+        # pace unchanged in the bench runs: docs/planner.md, "What was missing, now modelled").
         self.engine_runs(eng.step_overhead_s + decode, shared=False)
-        self.engine_runs(load + prefill)
+        cpu, sim.load_cpu_s = sim.load_cpu_s, 0.0
+        self.engine_runs(load + prefill + cpu)
+        sim.idle = not (prefill or decoding)
         self.busy["overhead"] += eng.step_overhead_s
         self.busy["load"] += load
         self.busy["prefill"] += prefill
@@ -444,8 +425,28 @@ class _PhaseRun:
         for r in admitted:
             r.load_s = load if r.loaded else 0.0
         self._advance(decoding, 1)
-        for _ in range(completed):
-            r = self.waiting.popleft()
+        self._first_tokens(prefilled)
+        sim.idle = sim.idle or not (self.waiting or self.decoding)  # the engine's next step schedules nothing
+
+    def _load_in_background(self, r: _Req, nbytes: dict[int, int]) -> None:
+        """``r``'s read joins the loader's queue (one load after another); the engine goes on."""
+        sim = self.sim
+        load = sim.load_s(nbytes)
+        sim.loader_free = max(sim.now, sim.loader_free) + load
+        r.ready_s, r.load_state, r.load_s = sim.loader_free, 1, sim.loader_free - sim.now
+        if sim.eng.shared_rate < 1 and not sim.idle:  # its reads and copies take the busy engine's cores
+            sim.load_cpu_s += load
+        self.busy["load"] += load
+        for i, b in nbytes.items():
+            sim.bytes_read[sim.tiers[i].spec.name] += b if self.counted else 0
+
+    def _first_tokens(self, prefilled: list[_Req]) -> None:
+        """The requests whose prefill this step completed get their first token."""
+        sim = self.sim
+        if prefilled:
+            gone = {id(r) for r in prefilled}
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for r in prefilled:
             r.first_s = sim.now
             sim.store(r)
             r.remaining = r.output - 1

@@ -116,6 +116,9 @@ class TierSpec:
         _positive(owner, "write_queue_s", self.write_queue_s, zero_ok=True)
 
 
+LOAD_MODES = ("sync", "auto", "async")
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """The engine's compute figures, per instance.
@@ -135,7 +138,13 @@ class EngineSpec:
     ``shared_rate`` (0-1] is how fast the engine and the front end each work while both have work,
     against alone: 1 where the front end has cores of its own (beside a GPU engine), less where
     they share the engine's cores (vLLM's CPU build with its threads on every core:
-    ``plan.enginefit.shared_rate``; ``plan.frontend``).
+    ``plan.enginefit.shared_rate``; ``plan.frontend``). ``load_mode`` is the vLLM connector's
+    setting: ``sync`` loads in the step that admits the request; ``auto`` (the connector's
+    default) does so only on an idle engine for a load predicted under
+    ``kvtier.policy.SYNC_IDLE_MAX_S``, and else reads in the background, one load after
+    another, while the engine steps the others; ``async`` always in the background. A
+    background load's request is scheduled two steps after its read ends (one reports it, the
+    next prefills it).
     """
 
     prefill_tokens_per_s: float
@@ -152,9 +161,12 @@ class EngineSpec:
     tail_chunks: bool = True
     frontend_per_token_s: float = 0.0
     shared_rate: float = 1.0
+    load_mode: str = "sync"
 
     def __post_init__(self) -> None:
         _positive("engine", "prefill_tokens_per_s", self.prefill_tokens_per_s)
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"engine.load_mode must be one of {', '.join(LOAD_MODES)}, got {self.load_mode!r}")
         if isinstance(self.shared_rate, bool) or not isinstance(self.shared_rate, int | float) \
                 or not 0 < self.shared_rate <= 1:
             raise ValueError(f"engine.shared_rate must be in (0, 1], got {self.shared_rate!r}")
@@ -298,5 +310,6 @@ def with_engine(hw: HardwareSpec, **changes: Any) -> HardwareSpec:
     return replace(hw, engine=replace(hw.engine, **changes))
 
 
-__all__ = ["TIER_ORDER", "EngineSpec", "HardwareSpec", "ModelSpec", "PlanConfig", "TierSpec", "default_configs",
-           "hardware_from_dict", "hardware_to_dict", "load_mapping", "model_from_dict", "with_engine"]
+__all__ = ["LOAD_MODES", "TIER_ORDER", "EngineSpec", "HardwareSpec", "ModelSpec", "PlanConfig", "TierSpec",
+           "default_configs", "hardware_from_dict", "hardware_to_dict", "load_mapping", "model_from_dict",
+           "with_engine"]

@@ -13,17 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.policy import Rates, Read, pays_off, predicted_load_s
+from kvtier.policy import SYNC_IDLE_MAX_S, Rates, Read, pays_off, predicted_load_s
 from kvtier.tiers.kinds import HOST
 
-SYNC_IDLE_MAX_S = 0.05
-"""With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine
-(predicted from measured read rates: until a tier was read from, by a load or by the lookup's
-timed first read, ``rateprobe.py``, its loads run in the background).
-A background load costs its request two engine steps after the read (one reports it, the
-next prefills it: measured 2-3 ms idle on the tiny model, a decode step each when busy); a
-load in the step costs nothing when nothing else runs, but holds up a request that arrives
-during it by up to its length."""
+__all__ = ["SYNC_IDLE_MAX_S", "LoadDecision"]
 
 
 class LoadDecision:
