@@ -285,13 +285,15 @@ class _PhaseRun:
         meanwhile arrive at the engine. ``shared``: the work takes every core (``FrontEnd``)."""
         done: list[tuple[float, int, _Req]] = []
         self.sim.now = self.sim.front.run_engine(self.sim.now, work_s, done, shared=shared)
-        for item in done:
-            heapq.heappush(self.arrivals, item)
+        self._arrive(done)
 
     def front_end(self) -> None:
         """The front end works, alone, up to now (the engine idle or between steps)."""
         done: list[tuple[float, int, _Req]] = []
         self.sim.front.advance(self.sim.now, 1.0, done)
+        self._arrive(done)
+
+    def _arrive(self, done: list[tuple[float, int, _Req]]) -> None:
         for item in done:
             heapq.heappush(self.arrivals, item)
 
@@ -389,8 +391,9 @@ class _PhaseRun:
                 if sim.hbm_running > 0 and sim.hbm_running + r.prompt + r.output > sim.kv_cap:
                     break
                 own = sim.admit(r)
-                if own and sim.in_background(sim.load_s(own)):
-                    self._load_in_background(r, own)
+                own_s = sim.load_s(own) if own else 0.0
+                if own and sim.in_background(own_s):
+                    self._load_in_background(r, own, own_s)
                     continue
                 for i, nbytes in own.items():
                     step_bytes[i] = step_bytes.get(i, 0) + nbytes
@@ -402,13 +405,13 @@ class _PhaseRun:
             budget -= n
             if r.computed >= r.prompt:
                 prefilled.append(r)
-        ready = min((r.ready_s for r in self.waiting if r.load_state == 1), default=math.inf)
-        if not (prefilled or prefill or decoding or reported) and ready < math.inf:  # only loads to wait for
-            sim.now, sim.idle = max(sim.now, min(ready, self.next_event())), True
-            return
+        if not (prefilled or prefill or decoding or reported):  # nothing to run: wait for a load
+            ready = min((r.ready_s for r in self.waiting if r.load_state == 1), default=math.inf)
+            if ready < math.inf:
+                sim.now, sim.idle = max(sim.now, min(ready, self.next_event())), True
+                return
         load = sim.load_s(step_bytes)
-        for i, nbytes in step_bytes.items():
-            sim.bytes_read[sim.tiers[i].spec.name] += nbytes if self.counted else 0
+        self._count_read(step_bytes)
         decode = sim.decode_cost(decoding) if decoding else 0.0
         # Prefill runs on the engine's thread team and a load's reads and copies on the
         # connector's threads, so both take the cores the front end tokenizes on; scheduling
@@ -417,7 +420,6 @@ class _PhaseRun:
         self.engine_runs(eng.step_overhead_s + decode, shared=False)
         cpu, sim.load_cpu_s = sim.load_cpu_s, 0.0
         self.engine_runs(load + prefill + cpu)
-        sim.idle = not (prefill or decoding)
         self.busy["overhead"] += eng.step_overhead_s
         self.busy["load"] += load
         self.busy["prefill"] += prefill
@@ -426,19 +428,24 @@ class _PhaseRun:
             r.load_s = load if r.loaded else 0.0
         self._advance(decoding, 1)
         self._first_tokens(prefilled)
-        sim.idle = sim.idle or not (self.waiting or self.decoding)  # the engine's next step schedules nothing
+        # Idle: this step scheduled no tokens, or nothing is left for the next one to schedule.
+        sim.idle = not (prefill or decoding) or not (self.waiting or self.decoding)
 
-    def _load_in_background(self, r: _Req, nbytes: dict[int, int]) -> None:
-        """``r``'s read joins the loader's queue (one load after another); the engine goes on."""
+    def _load_in_background(self, r: _Req, nbytes: dict[int, int], load: float) -> None:
+        """``r``'s read (``load`` seconds) joins the loader's queue (one load after another); the
+        engine goes on."""
         sim = self.sim
-        load = sim.load_s(nbytes)
         sim.loader_free = max(sim.now, sim.loader_free) + load
         r.ready_s, r.load_state, r.load_s = sim.loader_free, 1, sim.loader_free - sim.now
         if sim.eng.shared_rate < 1 and not sim.idle:  # its reads and copies take the busy engine's cores
             sim.load_cpu_s += load
         self.busy["load"] += load
-        for i, b in nbytes.items():
-            sim.bytes_read[sim.tiers[i].spec.name] += b if self.counted else 0
+        self._count_read(nbytes)
+
+    def _count_read(self, nbytes: dict[int, int]) -> None:
+        if self.counted:
+            for i, b in nbytes.items():
+                self.sim.bytes_read[self.sim.tiers[i].spec.name] += b
 
     def _first_tokens(self, prefilled: list[_Req]) -> None:
         """The requests whose prefill this step completed get their first token."""
