@@ -21,6 +21,9 @@ EWMA_WEIGHT = 0.3
 """The weight of a new measurement in a rate: rates drift with load and the page cache, and one
 slow read (a cold file, a busy neighbour) must not flip every later decision."""
 
+LOAD_MODES = ("auto", "async", "sync")
+"""The connector's ``load_mode`` values, which the planner's simulator models too."""
+
 SYNC_IDLE_MAX_S = 0.05
 """With ``load_mode: auto``, the longest predicted load run inside the step of an idle engine
 (predicted from measured read rates: until a tier was read from, by a load or by the lookup's

@@ -35,7 +35,8 @@ import numpy as np
 from kvtier.config import parse_bytes
 from kvtier.plan.enginefit import fit_engine, replay_p50
 from kvtier.plan.replay import FLOOR, Record, fit_scalar, measured_ttfts, median_band, resumed, single
-from kvtier.plan.spec import LOAD_MODES, EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
+from kvtier.plan.spec import EngineSpec, HardwareSpec, ModelSpec, PlanConfig, TierSpec, with_engine
+from kvtier.policy import LOAD_MODES
 from kvtier.tiers.kinds import KINDS
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ def ran_tails(config: str, configs: Sequence[Record], env: dict[str, Any]) -> bo
     no such counter) and whose ``--kvtier-setting``s did not turn them off."""
     if config not in CONFIG_TIERS:
         return False
-    settings = (env.get("settings") or {}).get("kvtier_settings") or {}
-    if settings.get("tail_chunks") is False:
+    if _kvtier_settings(env).get("tail_chunks") is False:
         return False
     return any("tail_saves" in ((doc or {}).get("connector") or {})
                for entry in configs if entry.get("config") == config
@@ -133,8 +133,13 @@ def load_mode(config: str, env: dict[str, Any]) -> str:
     other connector in the step."""
     if config not in CONFIG_TIERS:
         return "sync"
-    mode = ((env.get("settings") or {}).get("kvtier_settings") or {}).get("load_mode", "auto")
+    mode = _kvtier_settings(env).get("load_mode", "auto")
     return mode if mode in LOAD_MODES else "auto"
+
+
+def _kvtier_settings(env: dict[str, Any]) -> dict[str, Any]:
+    """The ``--kvtier-setting``s the run gave kvtier's configurations."""
+    return (env.get("settings") or {}).get("kvtier_settings") or {}
 
 
 def config_hardware(engine: EngineSpec, tier: TierSpec | None, config: str, configs: Sequence[Record],

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import parse_bytes
+from kvtier.policy import LOAD_MODES
 from kvtier.tiers.kinds import DISK, HOST, KINDS, POOL
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -114,9 +115,6 @@ class TierSpec:
         _positive(owner, "write_bytes_per_s", self.write_bytes_per_s)
         _positive(owner, "latency_s", self.latency_s, zero_ok=True)
         _positive(owner, "write_queue_s", self.write_queue_s, zero_ok=True)
-
-
-LOAD_MODES = ("sync", "auto", "async")
 
 
 @dataclass(frozen=True)
@@ -310,6 +308,5 @@ def with_engine(hw: HardwareSpec, **changes: Any) -> HardwareSpec:
     return replace(hw, engine=replace(hw.engine, **changes))
 
 
-__all__ = ["LOAD_MODES", "TIER_ORDER", "EngineSpec", "HardwareSpec", "ModelSpec", "PlanConfig", "TierSpec",
-           "default_configs", "hardware_from_dict", "hardware_to_dict", "load_mapping", "model_from_dict",
-           "with_engine"]
+__all__ = ["TIER_ORDER", "EngineSpec", "HardwareSpec", "ModelSpec", "PlanConfig", "TierSpec", "default_configs",
+           "hardware_from_dict", "hardware_to_dict", "load_mapping", "model_from_dict", "with_engine"]

@@ -22,6 +22,7 @@ import torch
 
 from kvtier.config import CONNECTOR_SETTINGS, StoreConfig, load_settings, parse_env_bool, read_settings_file
 from kvtier.layout import KVLayout
+from kvtier.policy import LOAD_MODES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_POLICIES = ("auto", "always", "never")
-LOAD_MODES = ("auto", "async", "sync")
 REQUIRED_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for (``get_required_kvcache_layout``): each
 layer's block is one dense page, so a block moves as one run. Any other layout vLLM resolves
