@@ -139,3 +139,7 @@ def test_each_configuration_loads_as_its_connector_did() -> None:
     assert load_mode("shared-pool", {}) == "auto"
     assert load_mode("shared-pool", synced) == "sync"
     assert load_mode("example-connector", default) == "sync"
+    # A run folder is only as trustworthy as whoever wrote it: an unknown value is the default.
+    for hostile in ("later", None, ["sync"], {"mode": "sync"}, 1):
+        assert load_mode("local-disk", {"settings": {"kvtier_settings": {"load_mode": hostile}}}) == "auto"
+    assert load_mode("local-disk", {"settings": {"kvtier_settings": None}}) == "auto"
