@@ -206,6 +206,33 @@ def test_the_e4m3_table_decodes_every_code_as_torchs_float8_conversion() -> None
     assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
+def test_e4m3_by_moving_bits_is_every_codes_value_times_2_to_the_minus_8() -> None:
+    """The decoder's float16 bit move against torch's own float8 conversion, subnormals and
+    both zeros included; the NaN codes (never written) read as finite +-480 * 2**-8."""
+    from kvtier.codec.quant import _e4m3_half
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float() / 256
+    got = _e4m3_half(codes).float()
+    real = ~want.isnan()
+    assert torch.equal(got[real], want[real])
+    assert torch.equal(got[real].signbit(), want[real].signbit())
+    assert got[~real].tolist() == [480 / 256, -480 / 256]
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: str(g.dtype))
+@pytest.mark.parametrize("fill", [0x00, 0x7F, 0x80, 0xFF])
+def test_an_fp8_payload_of_any_bytes_decodes_finite(fill: int, geom: KVGeometry) -> None:
+    """A payload that passes its checksum is a neighbour's bytes: NaN codes, and exponents past
+    the encoder's range (0x7F is +127), must still decode to finite KV in every dtype."""
+    codec = CODECS["fp8"]
+    kg, vg = codec.groups(geom)
+    stored = torch.full((sum(codec.sizes(geom, kg, vg)),), fill, dtype=torch.uint8)
+    out = torch.empty(geom.raw_bytes, dtype=torch.uint8)
+    codec.decode(stored, geom, kg, vg, out)
+    assert torch.isfinite(out.view(geom.dtype)).all()
+
+
 def test_pool_verify_checks_coded_chunks_and_finds_them_whole(tmp_path: Path) -> None:
     from _pool import new_pool
     from kvtier import admin
