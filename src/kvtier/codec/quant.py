@@ -177,7 +177,7 @@ class K8V4:
         if self.v_bits == 4:
             vq = torch.stack([vq & 15, vq >> 4], dim=1).view(-1)[:L * T * C]
         v = _dequant(vq.view(L, T, C // vg, vg), vlo, vstep, (L, T, C // vg, 1))
-        geom.join(out, k.to(geom.dtype), v.to(geom.dtype))
+        geom.join(out, k, v)  # join narrows to the chunk's dtype as it copies
 
 
 class K8V8(K8V4):
@@ -203,7 +203,7 @@ def _uniform(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torc
 
 def _dequant(q: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Codes ``q`` back to values; ``lo`` and ``step`` are their float16 sections as bytes."""
-    return q.float() * step.view(torch.float16).float().view(shape) + lo.view(torch.float16).float().view(shape)
+    return q.float().mul_(step.view(torch.float16).float().view(shape)).add_(lo.view(torch.float16).float().view(shape))
 
 
 class Fp8Cast:
