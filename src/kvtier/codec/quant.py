@@ -135,10 +135,13 @@ def _scaled(half: torch.Tensor, exps: torch.Tensor, shape: tuple[int, ...]) -> t
 
 def _e4m3_groups(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes of ``x`` and a power-of-two exponent per group over ``dim``; infinities
-    clamped to the float16 range first, NaN coded as 0."""
-    x = x.nan_to_num(posinf=FP16_MAX, neginf=-FP16_MAX)
-    e = _pow2_exponent(x.abs().amax(dim=dim, keepdim=True))
-    return torch.ldexp(x, -e.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), e
+    clamped to the float16 range first, NaN coded as 0. ``x`` (the encoder's own float copy)
+    is overwritten: in place, the encoder allocates no more than its output."""
+    x = x.nan_to_num_(posinf=FP16_MAX, neginf=-FP16_MAX)
+    amax = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
+    e = _pow2_exponent(amax)
+    # x * 2**-e, as torch.ldexp computes it: a power of two, so exact
+    return x.mul_(torch.pow(2.0, -e.float())).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), e
 
 
 class K8V4:
@@ -191,13 +194,14 @@ class K8V8(K8V4):
 def _uniform(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric uniform codes 0..levels of ``x`` over ``dim``, with a float16 minimum and step
     per group; the codes are taken from the stored (rounded) minimum and step, so decoding gives
-    what was measured here. Values past the float16 range are clamped to it."""
-    x = x.nan_to_num(posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
+    what was measured here. Values past the float16 range are clamped to it. ``x`` (the
+    encoder's own float copy) is overwritten."""
+    x = x.nan_to_num_(posinf=FP16_MAX, neginf=-FP16_MAX).clamp_(-FP16_MAX, FP16_MAX)
     lo = x.amin(dim=dim, keepdim=True).to(torch.float16)
     span = x.amax(dim=dim, keepdim=True) - lo.float()
     # A hair over span / levels: the step is rounded to float16 and must still reach the maximum.
     step = torch.where(span > 0, span / (levels - 0.02), torch.ones_like(span)).clamp(max=FP16_MAX).to(torch.float16)
-    q = torch.round((x - lo.float()) / step.float()).clamp(0, levels).to(torch.uint8)
+    q = x.sub_(lo.float()).div_(step.float()).round_().clamp_(0, levels).to(torch.uint8)
     return q, lo, step
 
 
