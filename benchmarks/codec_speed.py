@@ -4,7 +4,9 @@
                                      [--repeats 20] [--threads 1] [--device cpu,cuda] [--json FILE]
 
 A chunk is one head shard of SmolLM2-135M by default (30 layers, 256 tokens, head_dim 64, bf16:
-1.97 MB), laid out as vLLM's CPU cache (each block's K page then its V page, blocks of 128).
+1.97 MB), laid out as vLLM's CPU cache (each block's K page then its V page, blocks of 128; K
+pages channel by channel, ``--keys channels``, as the CPU build stores them; ``--keys tokens``
+lays them token by token, as GPU caches do).
 Its values are real-looking: keys with per-channel offsets and an outlier channel. Rates count
 the chunk's raw bytes per second (median of ``--repeats`` after two warm-ups). On CUDA both
 directions run on the GPU (``lossless`` copies to the host: zstd has no GPU path here).
@@ -25,11 +27,17 @@ from kvtier.codec import CODECS, Encoder, KVGeometry, decode_into
 
 
 def kv_chunk(geom: KVGeometry, device: str) -> torch.Tensor:
+    """The chunk's bytes in ``geom``'s layout: K and V ``[layers, tokens, channels]`` of random
+    values, with per-channel offsets and one outlying channel, as real keys have."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(geom.elements, generator=g).view(geom.layers, -1, geom.row_elems)
     x = x + torch.randn(1, 1, geom.row_elems, generator=g) * 4
     x[..., 0] *= 40
-    return x.reshape(-1).to(geom.dtype).view(torch.uint8).to(device)
+    x = x.to(geom.dtype)
+    half = x.shape[1] // 2
+    raw = torch.empty(geom.raw_bytes, dtype=torch.uint8)
+    geom.join(raw, x[:, :half], x[:, half:])
+    return raw.to(device)
 
 
 def timed(fn: Any, device: str, repeats: int) -> float:
@@ -73,18 +81,20 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: per core)")
     parser.add_argument("--device", default="cpu,cuda", help="where to run (cuda is skipped without a GPU)")
+    parser.add_argument("--keys", choices=("channels", "tokens"), default="channels",
+                        help="how a K page lies: channel by channel (vLLM's CPU build) or token by token (GPU)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     geom = KVGeometry(args.layers, args.tokens // args.block, args.block, args.heads * args.head_dim,
-                      torch.bfloat16, interleaved=True)
+                      torch.bfloat16, interleaved=True, k_channels_first=args.keys == "channels")
     rows = []
     for device in args.device.split(","):
         if device == "cuda" and not torch.cuda.is_available():
             print("no CUDA device: skipped")
             continue
         rows += measure(geom, device, args.repeats)
-    print(f"chunk {geom.raw_bytes / 1e6:.2f} MB; CPU threads {args.threads}")
+    print(f"chunk {geom.raw_bytes / 1e6:.2f} MB, keys by {args.keys[:-1]}; CPU threads {args.threads}")
     print(f"{'codec':>9} {'device':>6} {'ratio':>6} {'encode GB/s':>12} {'decode GB/s':>12} {'memcpy GB/s':>12}")
     for r in rows:
         print(f"{r['codec']:>9} {r['device']:>6} {r['ratio']:6.2f} {r['encode_gbps']:12.2f} {r['decode_gbps']:12.2f} "

@@ -131,8 +131,12 @@ class KVGeometry:
         """Write ``k`` and ``v`` (``[layers, tokens, row_elems]``, any float dtype) into ``out``
         (the chunk's bytes, uint8) in this geometry's order."""
         ko, vo = self.split(out)
-        ko.copy_(k.reshape(ko.shape))
-        vo.copy_(v.reshape(vo.shape))
+        for dst, src, channels_first in ((ko, k, self.k_channels_first), (vo, v, self.v_channels_first)):
+            if channels_first and src.dtype != self.dtype:
+                # Narrowed in order first: a transposing copy of float32 into bfloat16 took twice
+                # as long as the narrowing and a transposing copy of bfloat16 together.
+                src = src.to(self.dtype)
+            dst.copy_(src.reshape(dst.shape))
 
     def _elements(self, raw: torch.Tensor) -> torch.Tensor:
         if raw.dtype != torch.uint8 or raw.dim() != 1 or not raw.is_contiguous():

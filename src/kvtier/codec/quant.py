@@ -73,11 +73,19 @@ def _bytes(*parts: torch.Tensor) -> torch.Tensor:
 
 
 def _kv_float(raw: torch.Tensor, geom: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as contiguous float32 ``[layers, tokens, row_elems]``: one copy each, whatever
-    the pages' strides (a plain ``.float()`` would keep a transposed page's strides)."""
+    """K and V as contiguous float32 ``[layers, tokens, row_elems]``, whatever the pages'
+    strides (a plain ``.float()`` would keep a transposed page's strides). A transposed page is
+    put in order in its own dtype first, then widened: half the time of one transposing,
+    widening copy."""
     shape = (geom.layers, geom.tokens, geom.row_elems)
-    k, v = (torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x).view(shape) for x in geom.split(raw))
+    k, v = (_float_contiguous(x).view(shape) for x in geom.split(raw))
     return k, v
+
+
+def _float_contiguous(x: torch.Tensor) -> torch.Tensor:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
 def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
