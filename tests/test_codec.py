@@ -206,6 +206,27 @@ def test_the_e4m3_table_decodes_every_code_as_torchs_float8_conversion() -> None
     assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
+@pytest.mark.parametrize("name", ["fp8", "k8v4", "k8v8"])
+@pytest.mark.parametrize("geom", [*GEOMS, KVGeometry(5, 2, 16, 3, torch.bfloat16, interleaved=True)],
+                         ids=["bf16-interleaved", "fp16-split", "fp32-odd", "bf16-odd-row"])
+def test_decoding_a_few_layers_at_a_time_gives_the_whole_chunks_bytes(name: str, geom: KVGeometry,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of one layer, of two (a last group shorter), and the chunk whole decode alike; so
+    does k8v4 with an odd count of 4-bit codes per layer (16 x 3 x 2 pages), which cannot be
+    cut by layers."""
+    from kvtier.codec import quant
+
+    raw = kv_like(geom)
+    stored, record = Encoder(CODECS[name], geom).encode(raw)
+    outs = []
+    for slice_bytes in (1 << 40, geom.raw_bytes // geom.layers, 2 * geom.raw_bytes // geom.layers):
+        monkeypatch.setattr(quant, "SLICE_BYTES", slice_bytes)
+        out = torch.full_like(raw, 0xAB)
+        decode_into(record, stored, out)
+        outs.append(out)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 def test_e4m3_by_moving_bits_is_every_codes_value_times_2_to_the_minus_8() -> None:
     """The decoder's float16 bit move against torch's own float8 conversion, subnormals and
     both zeros included; the NaN codes (never written) read as finite +-480 * 2**-8."""
