@@ -24,12 +24,13 @@ class CodecFigures:
 
 
 FIGURES: dict[str, CodecFigures] = {
-    # benchmarks/codec_speed.py, one core of the 2-core machine of docs/codecs.md, SmolLM2's chunk
-    # (two runs, their middle)
-    "lossless": CodecFigures(1.48, 0.33e9, 0.90e9),
-    "fp8": CodecFigures(1.97, 0.40e9, 0.92e9),
-    "k8v4": CodecFigures(2.51, 0.44e9, 1.45e9),
-    "k8v8": CodecFigures(1.91, 0.44e9, 2.25e9),
+    # benchmarks/codec_speed.py --repeats 100: one core of a 2-core AMD EPYC (AVX-512), SmolLM2's
+    # chunk with its keys channel by channel as vLLM's CPU build stores them (median of 3 runs;
+    # docs/codecs.md, "Speed")
+    "lossless": CodecFigures(1.50, 0.46e9, 1.73e9),
+    "fp8": CodecFigures(1.97, 0.68e9, 2.36e9),
+    "k8v4": CodecFigures(2.51, 0.75e9, 2.77e9),
+    "k8v8": CodecFigures(1.91, 0.85e9, 2.88e9),
 }
 
 
