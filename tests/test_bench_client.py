@@ -26,7 +26,7 @@ TOKENS = 5
 
 class FakeOpenAI(BaseHTTPRequestHandler):
     bodies: list[dict[str, Any]]
-    spans: list[tuple[float, float]] = []  # (start, end) of each request, server-side
+    spans: list[tuple[float, float]]  # (start, end) of each request, server-side (the fixture resets it)
     active = 0
     peak = 0
     lock = threading.Lock()
