@@ -227,6 +227,18 @@ def test_decoding_a_few_layers_at_a_time_gives_the_whole_chunks_bytes(name: str,
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
+@pytest.mark.parametrize("name", ["fp8", "k8v4", "k8v8"])
+@pytest.mark.parametrize("geom", [*GEOMS, KVGeometry(1, 2, 16, 8, torch.float32, interleaved=False)],
+                         ids=["bf16-interleaved", "fp16-split", "fp32-odd", "fp32-one-layer-split"])
+def test_encoding_leaves_the_chunk_as_it_was(name: str, geom: KVGeometry) -> None:
+    """The encoders work in place on a copy of their own, also where the chunk is float32
+    already (a ``.float()`` of it would be the chunk itself)."""
+    raw = kv_like(geom)
+    before = raw.clone()
+    Encoder(CODECS[name], geom).encode(raw)
+    assert torch.equal(raw, before)
+
+
 def test_e4m3_by_moving_bits_is_every_codes_value_times_2_to_the_minus_8() -> None:
     """The decoder's float16 bit move against torch's own float8 conversion, subnormals and
     both zeros included; the NaN codes (never written) read as finite +-480 * 2**-8."""

@@ -81,14 +81,11 @@ def _kv_float(raw: torch.Tensor, geom: KVGeometry) -> tuple[torch.Tensor, torch.
     put in order in its own dtype first, then widened: half the time of one transposing,
     widening copy."""
     shape = (geom.layers, geom.tokens, geom.row_elems)
-    k, v = (_float_contiguous(x).view(shape) for x in geom.split(raw))
+    # A fresh copy always (a float32 chunk's .float() would be the chunk itself): encoders
+    # overwrite it in place.
+    k, v = (torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x.contiguous()).view(shape)
+            for x in geom.split(raw))
     return k, v
-
-
-def _float_contiguous(x: torch.Tensor) -> torch.Tensor:
-    if not x.is_contiguous():
-        x = x.contiguous()
-    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
 
 
 def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -97,7 +94,22 @@ def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, e, torch.zeros_like(e)).clamp(_EXP_MIN, _EXP_MAX).to(torch.int8)
 
 
-class Fp8:
+class _ByLayers:
+    """A grouped codec whose every section runs layer after layer: it decodes a few whole layers
+    at a time (``_by_layers``), each group by its ``_decode``."""
+
+    def sizes(self, geom: KVGeometry, kg: int, vg: int) -> list[int]:
+        raise NotImplementedError
+
+    def _decode(self, sections: list[torch.Tensor], geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
+        _by_layers(lambda secs, g, o: self._decode(secs, g, kg, vg, o), _sections(stored, self.sizes(geom, kg, vg)),
+                   geom, out)
+
+
+class Fp8(_ByLayers):
     name, code, version, lossy, grouped = "fp8", 2, 2, True, True
 
     @staticmethod
@@ -123,12 +135,7 @@ class Fp8:
         vq, ve = _e4m3_groups(v.view(L, T, C // vg, vg), 3)
         return _bytes(kq, vq, ke, ve)
 
-    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
-        _by_layers(lambda secs, g, o: self._decode(secs, g, kg, vg, o), _sections(stored, self.sizes(geom, kg, vg)),
-                   geom, out)
-
-    @staticmethod
-    def _decode(sections: list[torch.Tensor], geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
+    def _decode(self, sections: list[torch.Tensor], geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
         L, T, C = geom.layers, geom.tokens, geom.row_elems
         kq, vq, ke, ve = sections
         k = _scaled(_e4m3_half(kq).view(L, T // kg, kg, C), ke, (L, T // kg, 1, C))
@@ -160,7 +167,7 @@ def _e4m3_groups(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]
     return x.mul_(torch.pow(2.0, -e.float())).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), e
 
 
-class K8V4:
+class K8V4(_ByLayers):
     """Keys 8-bit per channel over ``k_group`` tokens, values ``v_bits``-bit per token over
     ``v_group`` channels, both asymmetric with a float16 minimum and step per group."""
 
@@ -188,10 +195,6 @@ class K8V4:
                 vq = torch.cat([vq, vq.new_zeros(1)])
             vq = vq[0::2] | (vq[1::2] << 4)
         return _bytes(kq, klo, kstep, vq, vlo, vstep)
-
-    def decode(self, stored: torch.Tensor, geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
-        _by_layers(lambda secs, g, o: self._decode(secs, g, kg, vg, o), _sections(stored, self.sizes(geom, kg, vg)),
-                   geom, out)
 
     def _decode(self, sections: list[torch.Tensor], geom: KVGeometry, kg: int, vg: int, out: torch.Tensor) -> None:
         L, T, C = geom.layers, geom.tokens, geom.row_elems
