@@ -696,10 +696,12 @@ def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch
     real_wait = scheduler_module.cf.wait
 
     me = threading.current_thread()
+    waiting = threading.Event()
 
     def spy(fs: Any, timeout: float | None = None, **kw: Any) -> Any:
         if threading.current_thread() is me:  # not a thread an earlier test left waiting (cf.wait is global)
             waits.append(timeout or 0.0)
+            waiting.set()
         return real_wait(fs, timeout=timeout, **kw)
 
     monkeypatch.setattr(scheduler_module.cf, "wait", spy)
@@ -709,7 +711,9 @@ def test_a_busy_engine_waits_for_a_fresh_lookup_once_and_never_again(monkeypatch
     role.build_connector_meta(output(scheduled={"other": 1}))  # another request decodes: busy
     req = request("b", list(range(7500, 7500 + 3 * CHUNK + 1)))
     held(role, req, 3)
-    role.prefix.locate = lambda state, first=0: (time.sleep(0.0002), ["host"] * 3)[1]  # type: ignore[method-assign]
+    # The lookup finishes only once the scheduler waits for it: a lookup that merely sleeps can
+    # finish before a loaded machine's scheduler thread looks, and then no wait is needed.
+    role.prefix.locate = lambda state, first=0: (waiting.wait(5), ["host"] * 3)[1]  # type: ignore[method-assign]
     assert role.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)  # answered in the first call
     assert waits == [scheduler_module.LOOKUP_BUSY_WAIT_S]
 
