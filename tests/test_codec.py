@@ -286,6 +286,24 @@ def test_pool_verify_checks_coded_chunks_and_finds_them_whole(tmp_path: Path) ->
     assert [b["fault"] for b in report.bad] == ["payload_checksum"]
 
 
+def test_auto_judges_a_tier_by_the_time_its_bytes_take_not_by_its_fastest_reads() -> None:
+    """A tier whose reads are mostly slow stays coded when its last few reads hit the page
+    cache: averaged as rates, three hits 50x faster outweighed forty device reads."""
+    from kvtier.codec import CodecRates
+
+    rates = CodecRates()
+    rates.observe_decode(10**9, 1.0)  # 1 GB/s: coding pays below ~0.48 GB/s at 1.91x
+    for _ in range(40):
+        rates.observe_read(10**8, 1.0)  # 100 MB/s: a slow pool
+    assert rates.worth_coding(1.91)
+    for _ in range(3):
+        rates.observe_read(5 * 10**9, 1.0)  # 5 GB/s: page-cache hits
+    assert rates.worth_coding(1.91)
+    for _ in range(40):
+        rates.observe_read(5 * 10**9, 1.0)  # the tier is now served from memory: it learns that
+    assert not rates.worth_coding(1.91)
+
+
 def test_auto_codes_a_tier_only_while_its_measured_rates_say_decoding_pays(tmp_path: Path) -> None:
     """``auto`` shares k8v8's namespace; a slow tier (the defaults: a network filesystem's rate)
     gets k8v8 files, and once its reads are measured faster than decoding saves, the engine's

@@ -86,7 +86,7 @@ class ChunkFiles:
         self._presence = Presence()
         self.lookup_stats = self._presence.stats
         """File-metadata calls made by lookups (``leading_present``)."""
-        self.codec_rates = CodecRates()
+        self.codec_rates = CodecRates(self._root_str)
         """This directory's read and decode rates, learnt from its reads (``kv_codec: auto``)."""
         self.device_window = DeviceWindow() if self._local else DeviceWindow(0)
         if create:
