@@ -15,6 +15,12 @@ the limited pools' runs drop the page cache before each (``echo 3 > /proc/sys/vm
 root), the local runs keep it (the fast pool: every chunk file in memory). TTFT is vLLM's own
 first-token time of each request; the table gives medians over the repeats, and each codec's
 ratio to ``none`` measured in the same run.
+
+``auto`` decides per tier from the rates it measured reading (``kvtier.codec.rates``), and a tier
+measures only what it reads, so its engine is filled on each pool itself, the way a long-running
+engine would have learnt: it first writes one session (the warm-up prompt; a tier not yet
+measured codes it), reads it back (the limited pools after dropping the page cache) and then
+writes the sessions. ``coded_files`` says how many chunk files it coded on each pool.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -39,14 +46,18 @@ def env_lines(path: Path) -> dict[str, str]:
     return {k: v.strip("'\"") for k, v in pairs}
 
 
-def sessions(model: Path, n: int, tokens: int) -> list[list[int]]:
+def sessions(model: Path, n: int, tokens: int) -> tuple[list[list[int]], list[int]]:
+    """``n`` coding sessions and a warm-up prompt (the last), and a prompt of another file that
+    ``auto`` learns from, so that the warm-up stays new to every codec's pool."""
     from transformers import AutoTokenizer
 
     from kvtier.bench.coding import QUESTIONS, session, stdlib_files
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    return [session(tokenizer, name, tokens, QUESTIONS[i % len(QUESTIONS)]).prompt
-            for i, name in enumerate(stdlib_files(n + 1, tokens * 5))]
+    names = stdlib_files(n + 1, tokens * 5)
+    spare = next(name for name in stdlib_files(n + 2, tokens * 5) if name not in names)
+    prompts = [session(tokenizer, name, tokens, QUESTIONS[i % len(QUESTIONS)]).prompt for i, name in enumerate(names)]
+    return prompts, session(tokenizer, spare, tokens, QUESTIONS[0]).prompt
 
 
 def engine(model: Path, work: Path, name: str, prompts: list[list[int]], pool: str, codec: str,
@@ -59,6 +70,45 @@ def engine(model: Path, work: Path, name: str, prompts: list[list[int]], pool: s
                           "io_threads": 8}}
     out: list[dict[str, Any]] = run_engine(spec, work, name, timeout_s=3600)["results"]
     return out
+
+
+def fill(model: Path, work: Path, name: str, prompts: list[list[int]], learn: list[int], pool: str, codec: str,
+         drop: bool) -> None:
+    """Write every session but the warm-up prompt to ``pool``; ``auto`` first learns from
+    ``learn`` (module doc)."""
+    n = len(prompts) - 1
+    plan: list[dict[str, Any]] = []
+    if codec == "auto":  # the read waits for the writes to land: a chunk still queued is a miss
+        plan += [{"p": n + 1, "tag": "learn-write"}, {"sh": settled(pool)}, {"reset": True},
+                 *([{"sh": DROP}] if drop else []), {"p": n + 1, "tag": "learn-read"}]
+    results = engine(model, work, name, [*prompts, learn], pool, codec,
+                     [*plan, {"batch": list(range(n)), "tag": "fill"}])
+    if any(x["tag"] == "learn-read" and not resumed(x) for x in results):
+        raise SystemExit(f"{name}: the session written to learn from was not read back whole")
+
+
+def resumed(result: dict[str, Any]) -> bool:
+    """Whether a request found at least 90% of its prompt cached: a resume, not a recompute."""
+    return bool(result["cached"] >= 0.9 * result["prompt_tokens"])
+
+
+def settled(pool: str) -> str:
+    """A shell command that returns once the pool's chunk files have stopped changing for 2 s."""
+    root = shlex.quote(pool.removeprefix("fs://"))
+    count = f"find {root} -name '*.kvt' | wc -l"
+    return f"prev=-1; n=$({count}); while [ $n != $prev ]; do prev=$n; sleep 2; n=$({count}); done"
+
+
+def coded_files(root: Path) -> tuple[int, int]:
+    """(coded, all) chunk files under ``root``, from each file's header."""
+    from kvtier.format import CODEC_RECORD_END, unpack_header
+
+    coded = total = 0
+    for path in root.rglob("*.kvt"):
+        with path.open("rb") as f:
+            coded += unpack_header(f.read(CODEC_RECORD_END)).codec is not None
+        total += 1
+    return coded, total
 
 
 def resume(model: Path, work: Path, name: str, prompts: list[list[int]], pool: str, codec: str, repeats: int,
@@ -75,14 +125,15 @@ def resume(model: Path, work: Path, name: str, prompts: list[list[int]], pool: s
         batch = [x for x in results if x["tag"] == f"batch-{r}"]
         out["single"].append(single[0]["first_token_s"])
         out["batch_p50"].append(statistics.median(x["first_token_s"] for x in batch))
-        if any(x["cached"] == 0 for x in single + batch):
-            raise SystemExit(f"{name}: a request was not resumed (cached 0)")
+        if not all(map(resumed, single + batch)):
+            raise SystemExit(f"{name}: a request was not resumed whole")
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--codecs", default="none,fp8,k8v4,lossless")
+    parser.add_argument("--codecs", default="none,fp8,k8v4,lossless",
+                        help="comma-separated kv_codec values, auto included; none is the baseline")
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
@@ -104,23 +155,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-codec-resume-") as tmp:
         work = Path(tmp)
         model = make_real_model(work / "smollm2").dir
-        prompts = sessions(model, args.concurrency, args.tokens)
+        prompts, learn = sessions(model, args.concurrency, args.tokens)
         print(f"{args.concurrency} sessions of {min(len(p) for p in prompts[:-1])}-"
               f"{max(len(p) for p in prompts[:-1])} tokens", flush=True)
         for codec in args.codecs.split(","):
             local = work / f"pool-{codec}"
             url = scratch_pool(local)
             t0 = time.perf_counter()
-            engine(model, work, f"fill-{codec}", prompts, url, codec,
-                   [{"batch": list(range(args.concurrency)), "tag": "fill"}])
+            fill(model, work, f"fill-{codec}", prompts, learn, url, codec, False)
             size = sum(f.stat().st_size for f in local.rglob("*.kvt"))
             row = rows[codec] = {"pool_bytes": size, "fill_s": time.perf_counter() - t0}
+            row["page_cache_coded_files"] = coded_files(local)
             row["page_cache"] = resume(model, work, f"local-{codec}", prompts, url, codec, args.repeats, False)
             for where, mount in limited.items():
                 remote = mount / f"codec-resume-{codec}"
                 shutil.rmtree(remote, ignore_errors=True)
                 init_pool(remote, 16 << 30)
-                shutil.copytree(local, remote, dirs_exist_ok=True)
+                if codec == "auto":  # learns this pool's rates (module doc)
+                    fill(model, work, f"fill-{where}-{codec}", prompts, learn, f"fs://{remote}", codec, True)
+                else:
+                    shutil.copytree(local, remote, dirs_exist_ok=True)
+                row[f"{where}_coded_files"] = coded_files(remote)
                 row[where] = resume(model, work, f"{where}-{codec}", prompts, f"fs://{remote}", codec,
                                     args.repeats, True)
                 shutil.rmtree(remote, ignore_errors=True)
