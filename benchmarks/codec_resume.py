@@ -18,9 +18,10 @@ ratio to ``none`` measured in the same run.
 
 ``auto`` decides per tier from the rates it measured reading (``kvtier.codec.rates``), and a tier
 measures only what it reads, so its engine is filled on each pool itself, the way a long-running
-engine would have learnt: it first writes one session (the warm-up prompt; a tier not yet
-measured codes it), reads it back (the limited pools after dropping the page cache) and then
-writes the sessions. ``coded_files`` says how many chunk files it coded on each pool.
+engine would have learnt: it first writes one session of another file (a tier not yet
+measured codes it), waits for those writes to land, reads it back (the limited pools after
+dropping the page cache) and then writes the sessions. ``coded_files`` says how many chunk
+files it coded on each pool.
 """
 
 from __future__ import annotations

@@ -68,6 +68,6 @@ class CodecRates:
             self._coding = coding
             log.info("kvtier: kv_codec auto: %s %s: reads %.3f GB/s%s, decoding %.3f GB/s%s, %.2fx fewer bytes",
                      self.where or "a tier", "codes its chunk files" if coding else "writes the engine's bytes",
-                     device / 1e9, "" if self.device else " (not measured yet)", decode / 1e9,
-                     "" if self.decode else " (not measured yet)", ratio)
+                     device / 1e9, "" if self.device is not None else " (not measured yet)", decode / 1e9,
+                     "" if self.decode is not None else " (not measured yet)", ratio)
         return coding
