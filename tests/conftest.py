@@ -7,6 +7,7 @@ directory tests: ``pool_dir``, ``open_pool``, ``kvt_files``, ``bytes_on_disk``, 
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -97,6 +98,17 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     """Same shape, dtype and bytes (torch.equal on the raw bits: -0.0 != 0.0 here)."""
     assert a.shape == b.shape and a.dtype == b.dtype
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture(autouse=True)
+def _kvtier_logger_as_it_was() -> Iterator[None]:
+    """A connector built in the test's process sets the ``kvtier`` logger's level
+    (``kvtier.logs.show_in_engine``): put it back, so no test sees records another let through."""
+    logger = logging.getLogger("kvtier")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers = handlers
 
 
 @pytest.fixture

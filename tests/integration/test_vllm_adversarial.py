@@ -166,4 +166,9 @@ def test_a_hostile_client_and_config_secrets_against_a_real_kvtier_serve(model: 
     assert stopped.killed == (), f"shutdown hung: {stopped}"  # flush() returned, nothing was killed
     text = log.read_text(errors="replace")
     assert SALT not in text and PASSWORD not in text
+    # kvtier's INFO lines reach the server's log (vLLM configures only its own logger), and
+    # the connector's settings line, which names the salt and the password, redacts them.
+    banners = [line for line in text.splitlines() if "kvtier connector (" in line]
+    assert any("(SCHEDULER" in b for b in banners) and any("(WORKER" in b for b in banners), banners
+    assert all(b.startswith("(") and " pid=" in b and ") INFO " in b for b in banners), banners
     assert "retain_s" in text  # the rejection was logged (without failing the request)

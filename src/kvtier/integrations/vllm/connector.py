@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.releases import check as check_release
 from kvtier.integrations.vllm.scheduler import SchedulerRole
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats, StatsSource
 from kvtier.integrations.vllm.worker import WorkerRole
+from kvtier.logs import show_in_engine
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -61,6 +62,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         # vLLM 0.32's engine always passes kv_cache_config; older callers (and tests) may not.
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        show_in_engine(os.environ)  # vLLM configures only its own logger: kvtier's lines need this
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None, "vLLM builds a KV connector only from --kv-transfer-config"
         extra = transfer.kv_connector_extra_config
