@@ -380,3 +380,93 @@ def test_device_reads_are_admitted_in_the_order_asked_within_the_window():
         t.join(5)
     with DeviceWindow(0).hold(1 << 40), DeviceWindow(0).hold(1 << 40):  # 0: nothing held back
         pass
+
+
+def _evict(path: Path, offset: int = 0, length: int = 0) -> None:
+    """Drop ``path``'s bytes ``offset:offset + length`` (all for 0) from the page cache; skip the
+    test when nothing went (a large folio around a part of it stays whole)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # only clean pages can be dropped
+        before = cached_bytes(fd) or 0
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        if (cached_bytes(fd) or 0) >= before:
+            pytest.skip(f"the page cache kept {path.name}'s bytes {offset}+{length} (large folios?)")
+    finally:
+        os.close(fd)
+
+
+def _warm(path: Path) -> None:
+    with open(path, "rb") as fh:
+        fh.read()
+
+
+def test_a_large_file_is_judged_whole_by_samples_of_it(tmp_path):
+    """``holds_whole`` asks the kernel about every page of a small file and about four windows
+    of a large one: a page missing from a window says not whole; one between them is not seen."""
+    from kvtier.tiers import pagecache
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 << 20))
+    require_cachestat(path)
+    _warm(path)
+
+    def whole() -> bool | None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return pagecache.holds_whole(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    assert whole() is True
+    _evict(path)
+    assert whole() is False
+    _warm(path)
+    _evict(path, 7 << 20, 1 << 20)  # the last MiB: the last window with it
+    assert whole() is False
+    _warm(path)
+    _evict(path, 1 << 20, 1 << 20)  # a MiB between the first window and the second
+    assert whole() is True  # the documented blind spot: the read path copes (below)
+    small = tmp_path / "small"
+    small.write_bytes(os.urandom(4 << 20))
+    _evict(small)  # read back, the cache holds it in the folios a read makes (a write's may be too large to split)
+    _warm(small)
+    _evict(small, 1 << 20, 1 << 20)
+    fd = os.open(small, os.O_RDONLY)
+    try:
+        assert pagecache.holds_whole(fd, 4 << 20) is False  # a small file: every page asked
+    finally:
+        os.close(fd)
+
+
+def test_a_hole_the_samples_miss_is_read_from_the_device_not_copied_from_nothing(tmp_path):
+    """An 8 MiB chunk whose page cache lacks a MiB between the sampled windows: judged whole,
+    read in place, the read in place meets the hole (``RWF_NOWAIT``) and the file is read
+    outside the caller's memory; the caller gets the chunk's bytes."""
+    from kvtier import KVLayout
+
+    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    store = TieredStore.open(model_id="m", layout=layout, chunk_tokens=256, host_bytes=0,
+                             pool_url=new_pool(tmp_path / "pool"))
+    try:
+        tokens = list(range(256))
+        kv = torch.randn(layout.shape(256)).to(torch.bfloat16)
+        store.put(tokens, kv)
+        store.flush()
+        (path,) = (tmp_path / "pool").rglob("*.kvt")
+        _warm_local(store.tiers[0], path)
+        _evict(path)  # read back, the cache holds it in the folios a read makes
+        _warm(path)
+        _evict(path, 1 << 20, 1 << 20)  # between the first window (64 KiB) and the second (2.7 MiB)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            from kvtier.tiers.pagecache import holds_whole
+            assert holds_whole(fd, os.fstat(fd).st_size) is True
+            assert (cached_bytes(fd) or 0) < os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        out = torch.empty(layout.shape(256), dtype=torch.bfloat16)
+        assert torch.equal(store.get(tokens, out=out).view(torch.int16), kv.view(torch.int16))
+        assert store.tiers[0].metrics.snapshot().corrupt_chunks == 0
+    finally:
+        store.close()

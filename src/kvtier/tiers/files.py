@@ -44,7 +44,7 @@ from kvtier.threads import ThreadInit
 from kvtier.tiers import listing
 from kvtier.tiers.base import Chunk, LoadResult, Pages, Status, aligned_buffer
 from kvtier.tiers.listing import SUFFIX, ChunkFile
-from kvtier.tiers.pagecache import cache_hits_are_local, cached_bytes
+from kvtier.tiers.pagecache import cache_hits_are_local, holds_whole
 from kvtier.tiers.presence import Presence
 from kvtier.tiers.reads import DeviceWindow, LoadEnded, NotCached, copy_in_place, fill, read_in_place
 
@@ -275,8 +275,7 @@ class ChunkFiles:
             if coded and not (PAYLOAD_OFFSET < size < spec.file_bytes and size % ALIGN == 0):  # nor a coded one
                 fault = ChunkFault.TRUNCATED if size < spec.file_bytes else ChunkFault.LAYOUT
                 raise ChunkError(fault, f"{os.path.basename(path)}: {size} B, expected {spec.file_bytes} B")
-            cached = cached_bytes(fd) if self.direct_io or self._local else None
-            from_cache = cached is not None and cached >= size
+            from_cache = bool(holds_whole(fd, size)) if self.direct_io or self._local else False
             direct = self._use_direct(fd, from_cache)
             if pages is not None and from_cache and self._local and not coded:
                 try:
@@ -370,8 +369,7 @@ class ChunkFiles:
             if not stat.S_ISREG(st.st_mode) or not 0 < size <= max_bytes:
                 return None
             direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-            cached = cached_bytes(fd)
-            if not direct and cached is not None and cached >= size:
+            if not direct and holds_whole(fd, size):
                 return None
             fill(fd, aligned_buffer(size).data, direct)
         except (OSError, ChunkError):

@@ -37,17 +37,53 @@ _available = _SYSCALL_NR is not None and _libc is not None
 
 
 def cached_bytes(fd: int) -> int | None:
-    """Bytes of ``fd``'s file in the page cache, or None where the kernel cannot tell (< 6.5)."""
+    """Bytes of ``fd``'s file in the page cache, or None where the kernel cannot tell (< 6.5).
+    The kernel walks every page of the file: about 150 us for a 32 MiB file (``holds_whole``
+    asks less)."""
+    pages = _cached_pages(fd, 0, 0)
+    return None if pages is None else pages * _PAGE
+
+
+WHOLE_CHECK_BYTES = 4 << 20
+"""``holds_whole`` asks about every page of a file up to this size, and about samples of a larger one."""
+SAMPLES = 4
+SAMPLE_BYTES = 64 << 10
+
+
+def holds_whole(fd: int, size: int) -> bool | None:
+    """Whether the page cache holds ``fd``'s file (``size`` bytes) whole; None where the kernel
+    cannot tell. A file over ``WHOLE_CHECK_BYTES`` is judged by ``SAMPLES`` windows of
+    ``SAMPLE_BYTES`` spread from its first byte to its last: 12 us instead of 150 us for a
+    32 MiB chunk file, on a path whose page-cache reads take 2-5 ms. A file with a hole
+    between the windows is taken for whole; the read path stays right (a read in place asks
+    ``RWF_NOWAIT`` and reads the file outside the caller's memory when a page is missing; a
+    buffered read only reads the hole from the device), so a sample costs at most that."""
+    if size <= WHOLE_CHECK_BYTES:
+        pages = _cached_pages(fd, 0, 0)
+        return None if pages is None else pages * _PAGE >= size
+    last = size - SAMPLE_BYTES
+    for i in range(SAMPLES):
+        off = last * i // (SAMPLES - 1) // _PAGE * _PAGE
+        pages = _cached_pages(fd, off, SAMPLE_BYTES)
+        if pages is None:
+            return None
+        if pages < SAMPLE_BYTES // _PAGE:
+            return False
+    return True
+
+
+def _cached_pages(fd: int, off: int, length: int) -> int | None:
+    """Pages of ``fd``'s bytes ``off:off + length`` (to the end for 0) in the page cache, or None."""
     global _available
     if not _available or _libc is None:
         return None
-    whole = _Range(0, 0)
+    span = _Range(off, length)
     stat = _Stat()
-    if _libc.syscall(_SYSCALL_NR, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:
+    if _libc.syscall(_SYSCALL_NR, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
             _available = False
         return None
-    return int(stat.nr_cache) * _PAGE
+    return int(stat.nr_cache)
 
 
 # Filesystems whose page-cache hits are memory reads. On any other (FUSE, NFS, CIFS, Ceph,
