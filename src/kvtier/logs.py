@@ -38,7 +38,8 @@ def show_in_engine(env: Mapping[str, str]) -> logging.Handler | None:
     nothing. A level the user set on the logger stands unless ``KVTIER_LOG_LEVEL`` is set; an
     unknown level name is reported as a warning and INFO is used."""
     explicit = env.get(LEVEL_ENV, "").strip()
-    if env.get("VLLM_CONFIGURE_LOGGING", "1").strip() == "0" and not explicit:
+    configure = env.get("VLLM_CONFIGURE_LOGGING", "1").strip() != "0"
+    if not configure and not explicit:
         return None
     logger = logging.getLogger("kvtier")
     name = (explicit or env.get("VLLM_LOGGING_LEVEL", "") or "INFO").strip().upper()
@@ -46,8 +47,7 @@ def show_in_engine(env: Mapping[str, str]) -> logging.Handler | None:
     if explicit or logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO if bad else name)
     handler: logging.Handler | None = None
-    if env.get("VLLM_CONFIGURE_LOGGING", "1").strip() != "0" and not logger.handlers \
-            and not logging.getLogger().handlers:
+    if configure and not logger.handlers and not logging.getLogger().handlers:
         stream = sys.stderr if env.get("VLLM_LOGGING_STREAM", "").strip() == "ext://sys.stderr" else sys.stdout
         handler = logging.StreamHandler(stream)
         handler.name = HANDLER_NAME
