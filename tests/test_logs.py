@@ -7,7 +7,6 @@ import io
 import logging
 import os
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,19 +14,15 @@ from kvtier.logs import HANDLER_NAME, show_in_engine
 
 
 @pytest.fixture
-def bare_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+def bare_process() -> logging.Logger:
     """The logging state of a vLLM engine process: the ``kvtier`` logger has neither level nor
-    handler (restored afterwards). The tests take pytest's handlers off the root logger
-    themselves (``bare_root``): pytest adds them after the fixtures ran."""
+    handler (conftest's autouse fixture puts both back afterwards). The tests take pytest's
+    handlers off the root logger themselves (``bare_root``): pytest adds them after the
+    fixtures ran."""
     kvtier = logging.getLogger("kvtier")
-    saved = (kvtier.level, list(kvtier.handlers))
     kvtier.handlers = []
     kvtier.setLevel(logging.NOTSET)
-    try:
-        yield kvtier
-    finally:
-        kvtier.handlers = saved[1]
-        kvtier.setLevel(saved[0])
+    return kvtier
 
 
 def bare_root(monkeypatch: pytest.MonkeyPatch) -> None:

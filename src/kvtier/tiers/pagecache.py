@@ -59,8 +59,8 @@ def holds_whole(fd: int, size: int) -> bool | None:
     ``RWF_NOWAIT`` and reads the file outside the caller's memory when a page is missing; a
     buffered read only reads the hole from the device), so a sample costs at most that."""
     if size <= WHOLE_CHECK_BYTES:
-        pages = _cached_pages(fd, 0, 0)
-        return None if pages is None else pages * _PAGE >= size
+        cached = cached_bytes(fd)
+        return None if cached is None else cached >= size
     last = size - SAMPLE_BYTES
     for i in range(SAMPLES):
         off = last * i // (SAMPLES - 1) // _PAGE * _PAGE
